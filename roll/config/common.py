@@ -1,0 +1,68 @@
+"""Config sections shared by every pipeline. Pure dataclasses: importing this never imports torch or Ray."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from roll.config.fields import option
+
+
+@dataclass
+class TinyModelConfig:
+    """A small Qwen2-style model with a character tokenizer, built locally for tests and demos."""
+
+    alphabet: str = option("0123456789+-*=() ", help="Characters the tokenizer knows; each is one token.")
+    hidden_size: int = option(128, help="Width of the residual stream.")
+    num_hidden_layers: int = option(2, help="Number of transformer blocks.")
+    num_attention_heads: int = option(4, help="Query heads per attention layer.")
+    num_key_value_heads: int = option(2, help="Key/value heads (grouped-query attention).")
+    intermediate_size: int = option(512, help="Width of the MLP.")
+    max_position_embeddings: int = option(64, help="Longest sequence (prompt + response) in tokens.")
+    seed: int = option(0, help="Seed for the random initial weights.")
+
+
+@dataclass
+class ModelConfig:
+    """Where the policy comes from. Actor, reference and rollout workers all start from it."""
+
+    path: str | None = option(None, help="Local directory of a Hugging Face causal LM and its tokenizer.")
+    tiny: TinyModelConfig | None = option(
+        None, help="Build a tiny model into <output_dir>/tiny_model when `path` is not set (tests, demos)."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = option(
+        "float32", help="Parameter dtype for training and inference."
+    )
+
+
+@dataclass
+class RayConfig:
+    """How the single controller reaches Ray."""
+
+    address: str | None = option(
+        None, help="Existing Ray cluster to join (also read from RAY_ADDRESS); a local one starts if unset."
+    )
+    num_cpus: int | None = option(None, help="CPUs for a locally started Ray; all of them when unset.")
+    call_timeout_s: float = option(
+        900.0, help="Seconds any remote call may take before the driver raises an error naming role and rank."
+    )
+
+
+@dataclass
+class TrackingConfig:
+    """Where metrics go."""
+
+    backends: list[str] = option(
+        ["console", "jsonl", "tensorboard"], help="Metric sinks: console, jsonl, tensorboard."
+    )
+    log_every: int = option(1, help="Write metrics every N steps (console prints a line every N steps too).")
+
+
+@dataclass
+class EvalConfig:
+    """Greedy evaluation on held-out prompts; the score is the mean reward, logged as eval/score."""
+
+    every_steps: int = option(50, help="Evaluate every N training steps (0: only before and after training).")
+    max_prompts: int | None = option(None, help="Evaluate on at most this many held-out prompts.")
+    max_new_tokens: int = option(16, help="Longest greedy answer in tokens.")
+    batch_size: int = option(256, help="Prompts per generation call during evaluation.")

@@ -1,0 +1,55 @@
+"""Supervised fine-tuning: the warm start that makes RL on a weak model possible."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from roll.config.common import EvalConfig, ModelConfig, RayConfig, TrackingConfig
+from roll.config.fields import option
+
+
+@dataclass
+class SFTDataConfig:
+    """JSONL rows with a prompt and a target response."""
+
+    train_path: str = option(help="JSONL file of training rows.")
+    eval_path: str | None = option(None, help="JSONL file of held-out rows scored by greedy decoding.")
+    prompt_key: str = option("prompt", help="Row field holding the prompt text.")
+    response_key: str = option("answer", help="Row field holding the target response text.")
+    apply_chat_template: bool = option(True, help="Wrap prompts in the tokenizer's chat template.")
+    max_prompt_length: int = option(64, help="Prompts longer than this many tokens are rejected at load.")
+
+
+@dataclass
+class SFTTrainConfig:
+    """Optimisation of the SFT loss (token-mean cross-entropy on response tokens only)."""
+
+    steps: int = option(300, help="Optimizer steps.")
+    batch_size: int = option(64, help="Rows per optimizer step (global, across data-parallel ranks).")
+    micro_batch_size: int = option(64, help="Rows per forward/backward on one rank (gradient accumulation).")
+    lr: float = option(1e-3, help="Peak learning rate (AdamW).")
+    weight_decay: float = option(0.0, help="AdamW weight decay.")
+    warmup_steps: int = option(0, help="Linear warmup steps.")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = option(
+        "constant", help="Learning-rate schedule after warmup; linear/cosine decay to 0 at the last step."
+    )
+    max_grad_norm: float = option(1.0, help="Gradient-norm clip (0 disables).")
+    world_size: int = option(1, help="Data-parallel training ranks.")
+
+
+@dataclass
+class SFTConfig:
+    """`pipeline: sft` - supervised fine-tuning of a causal LM on prompt/response pairs."""
+
+    pipeline: Literal["sft"] = option("sft", help="Which pipeline runs this config.")
+    run_name: str = option("sft", help="Name shown in logs.")
+    output_dir: str = option("runs/sft", help="Run directory: metrics, TensorBoard events, final model.")
+    seed: int = option(0, help="Seed for data order, sampling and initialisation.")
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The model to fine-tune."})
+    data: SFTDataConfig = field(default_factory=SFTDataConfig, metadata={"help": "Training and eval data."})
+    train: SFTTrainConfig = field(default_factory=SFTTrainConfig, metadata={"help": "Optimisation."})
+    reward: str = option("exact_match", help="Reward function that scores greedy eval answers (0-1).")
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "Held-out evaluation."})
+    tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"help": "Metric sinks."})
+    ray: RayConfig = field(default_factory=RayConfig, metadata={"help": "Ray connection."})

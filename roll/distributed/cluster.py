@@ -1,0 +1,132 @@
+"""``Cluster``: the N Ray actors of one role, driven from the single controller as one object.
+
+Driver code calls ``cluster.method(batch)`` and never touches Ray handles: every ``@register``-ed worker
+method becomes a Cluster method that splits its arguments per the dispatch mode, calls every rank,
+waits with a timeout and merges the results. An exception on any rank is raised in the driver as one
+``WorkerError`` naming the role, the rank, the method and carrying the remote traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+
+from roll.distributed.dispatch import DISPATCH_MODES, Dispatch
+from roll.distributed.worker import Worker, registered_methods
+
+
+class WorkerError(RuntimeError):
+    """A remote worker failed; ``role`` and ``rank`` say which one."""
+
+    def __init__(self, role: str, rank: int, method: str, detail: str):
+        super().__init__(f"{role} rank {rank} failed in {method}():\n{detail}")
+        self.role, self.rank, self.method = role, rank, method
+
+
+class WorkerTimeoutError(WorkerError, TimeoutError):
+    """A remote call did not finish within the configured timeout."""
+
+
+class ClusterFuture:
+    """Pending results of one Cluster call; ``get()`` waits (with the cluster's timeout) and merges them."""
+
+    def __init__(self, refs: list[ray.ObjectRef], collect: Callable[[list[Any]], Any], role: str, method: str,
+                 timeout_s: float):
+        self.refs, self._collect = refs, collect
+        self.role, self.method, self.timeout_s = role, method, timeout_s
+
+    def get(self) -> Any:
+        return self._collect(wait_for_ranks(self.refs, self.role, self.method, self.timeout_s))
+
+
+def wait_for_ranks(refs: list[ray.ObjectRef], role: str, method: str, timeout_s: float) -> list[Any]:
+    """Results in rank order. Raises on the first rank that fails, without waiting for the others,
+    so a crashed rank is reported at once instead of after the peers blocked on it time out."""
+    rank_of = {ref: rank for rank, ref in enumerate(refs)}
+    results: dict[int, Any] = {}
+    pending = list(refs)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        remaining = deadline - time.monotonic()
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(remaining, 0))
+        if not ready:
+            ranks = sorted(rank_of[r] for r in pending)
+            raise WorkerTimeoutError(
+                role, ranks[0], method,
+                f"no answer after {timeout_s:.0f} s from rank(s) {ranks} "
+                "(raise ray.call_timeout_s if this work is legitimately slow)",
+            )
+        ref = ready[0]
+        try:
+            results[rank_of[ref]] = ray.get(ref)
+        except RayTaskError as e:
+            raise WorkerError(role, rank_of[ref], method, str(e)) from None
+        except RayActorError as e:
+            raise WorkerError(role, rank_of[ref], method, f"the worker process died: {e}") from None
+        except (GetTimeoutError, RayError) as e:
+            raise WorkerError(role, rank_of[ref], method, repr(e)) from None
+    return [results[rank] for rank in range(len(refs))]
+
+
+class Cluster:
+    """All ranks of one role. Registered worker methods are available as attributes."""
+
+    def __init__(
+        self,
+        role: str,
+        worker_cls: type[Worker],
+        world_size: int,
+        config: Any,
+        timeout_s: float = 900.0,
+        num_cpus_per_worker: float = 0.0,
+        num_gpus_per_worker: float = 0.0,
+        env: dict[str, str] | None = None,
+    ):
+        if world_size < 1:
+            raise ValueError(f"{role}: world_size must be >= 1 (got {world_size})")
+        self.role, self.world_size, self.timeout_s = role, world_size, timeout_s
+        # Fractional/zero CPU requests: the stages of one step run one after another, so actors
+        # time-share the cores instead of each reserving one (a 2-core laptop holds every role).
+        remote_cls = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker)(worker_cls)
+        self.workers = [
+            remote_cls.options(name=None, max_concurrency=1).remote(role, rank, world_size, config, env)
+            for rank in range(world_size)
+        ]
+        self._methods = registered_methods(worker_cls)
+        for name, mode in self._methods.items():
+            setattr(self, name, self._make_caller(name, mode))
+
+    def _make_caller(self, name: str, mode: Dispatch) -> Callable[..., Any]:
+        dispatch = DISPATCH_MODES[mode]
+
+        @functools.wraps(getattr(Worker, name, lambda: None))
+        def call(*args: Any, blocking: bool = True, **kwargs: Any) -> Any:
+            per_rank = dispatch.split(self.world_size, args, kwargs)
+            refs = [getattr(w, name).remote(*a, **k) for w, (a, k) in zip(self.workers, per_rank)]
+            future = ClusterFuture(refs, dispatch.collect, self.role, name, self.timeout_s)
+            return future.get() if blocking else future
+
+        call.__name__ = name
+        return call
+
+    def kill(self) -> None:
+        """Ask every rank to release its resources, then end the actors."""
+        try:
+            wait_for_ranks([w.shutdown.remote() for w in self.workers], self.role, "shutdown", 60.0)
+        except WorkerError:
+            pass  # a worker that cannot shut down cleanly is killed below all the same
+        for worker in self.workers:
+            ray.kill(worker)
+
+    def __repr__(self) -> str:
+        return f"Cluster(role={self.role!r}, world_size={self.world_size}, methods={sorted(self._methods)})"
+
+
+def wait_all(*futures: ClusterFuture) -> list[Any]:
+    """Wait for several clusters' calls that run at the same time (e.g. setup of every role)."""
+    return [f.get() for f in futures]

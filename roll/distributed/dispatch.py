@@ -1,0 +1,93 @@
+"""Dispatch modes: how one driver call becomes per-rank calls, and how per-rank results become one value.
+
+Pure functions (no Ray), so every mode is unit-tested without starting actors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from roll.data.batch import Batch
+
+RankArgs = list[tuple[tuple, dict]]
+
+
+class Dispatch(str, Enum):
+    ONE_TO_ALL = "one_to_all"  # every rank gets the same arguments; the result is the list of rank results
+    ALL_TO_ALL = "all_to_all"  # argument i of every list goes to rank i; the result is the list of rank results
+    DP_COMPUTE = "dp_compute"  # Batch arguments are split by data-parallel rank; results are concatenated
+    RANK_ZERO = "rank_zero"  # like ONE_TO_ALL, but only rank 0's result is returned (e.g. exported weights)
+
+
+@dataclass(frozen=True)
+class DispatchMode:
+    split: Callable[[int, tuple, dict], RankArgs]
+    collect: Callable[[list[Any]], Any]
+
+
+def split_one_to_all(world_size: int, args: tuple, kwargs: dict) -> RankArgs:
+    return [(args, kwargs)] * world_size
+
+
+def split_all_to_all(world_size: int, args: tuple, kwargs: dict) -> RankArgs:
+    for value in (*args, *kwargs.values()):
+        if not isinstance(value, (list, tuple)) or len(value) != world_size:
+            raise ValueError(f"ALL_TO_ALL dispatch needs one list of {world_size} items (one per rank) per argument")
+    return [
+        (tuple(a[rank] for a in args), {k: v[rank] for k, v in kwargs.items()}) for rank in range(world_size)
+    ]
+
+
+def split_data_parallel(world_size: int, args: tuple, kwargs: dict) -> RankArgs:
+    """Chunk every Batch argument into ``world_size`` equal shards; other arguments go to all ranks."""
+
+    def shards(value: Any) -> list[Any]:
+        if isinstance(value, Batch):
+            if len(value) % world_size != 0:
+                raise ValueError(
+                    f"a batch of {len(value)} rows cannot be split evenly across {world_size} data-parallel "
+                    "ranks; make the batch size a multiple of the world size"
+                )
+            return value.chunk(world_size)
+        return [value] * world_size
+
+    split_args = [shards(a) for a in args]
+    split_kwargs = {k: shards(v) for k, v in kwargs.items()}
+    return [
+        (tuple(a[rank] for a in split_args), {k: v[rank] for k, v in split_kwargs.items()})
+        for rank in range(world_size)
+    ]
+
+
+def collect_list(results: list[Any]) -> list[Any]:
+    return list(results)
+
+
+def collect_rank_zero(results: list[Any]) -> Any:
+    return results[0]
+
+
+def collect_data_parallel(results: list[Any]) -> Any:
+    """Concatenate Batches in rank order; average numeric metric dicts; otherwise return the list."""
+    if all(isinstance(r, Batch) for r in results):
+        return Batch.concat(results)
+    if all(isinstance(r, dict) for r in results):
+        return mean_metrics(results)
+    return list(results)
+
+
+def mean_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Average each metric over the ranks that reported it."""
+    keys = {k for m in per_rank for k in m}
+    return {k: sum(m[k] for m in per_rank if k in m) / sum(1 for m in per_rank if k in m) for k in sorted(keys)}
+
+
+DISPATCH_MODES: dict[Dispatch, DispatchMode] = {
+    Dispatch.ONE_TO_ALL: DispatchMode(split_one_to_all, collect_list),
+    Dispatch.ALL_TO_ALL: DispatchMode(split_all_to_all, collect_list),
+    Dispatch.DP_COMPUTE: DispatchMode(split_data_parallel, collect_data_parallel),
+    Dispatch.RANK_ZERO: DispatchMode(split_one_to_all, collect_rank_zero),
+}

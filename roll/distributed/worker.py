@@ -1,0 +1,70 @@
+"""``Worker``: one rank of a role, living in its own Ray actor. ``@register`` marks the methods a Cluster exposes."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from roll.distributed.dispatch import Dispatch
+
+F = TypeVar("F", bound=Callable[..., Any])
+DISPATCH_ATTR = "_roll_dispatch"
+
+
+def register(dispatch: Dispatch = Dispatch.ONE_TO_ALL) -> Callable[[F], F]:
+    """Expose a worker method on its Cluster, called on every rank according to ``dispatch``."""
+
+    def decorator(method: F) -> F:
+        setattr(method, DISPATCH_ATTR, Dispatch(dispatch))
+        return method
+
+    return decorator
+
+
+def registered_methods(worker_cls: type) -> dict[str, Dispatch]:
+    """Name -> dispatch mode for every ``@register``-ed method of ``worker_cls`` and its bases."""
+    methods = {}
+    for name in dir(worker_cls):
+        mode = getattr(getattr(worker_cls, name, None), DISPATCH_ATTR, None)
+        if mode is not None:
+            methods[name] = mode
+    return methods
+
+
+class Worker:
+    """Base class of every role's worker. Subclasses do heavy setup in ``setup``, not ``__init__``,
+    so that all clusters start their actors first and load models in parallel."""
+
+    def __init__(self, role: str, rank: int, world_size: int, config: Any, env: dict[str, str] | None = None):
+        self.role = role
+        self.rank = rank
+        self.world_size = world_size
+        self.config = config
+        for key, value in (env or {}).items():
+            os.environ[key] = value
+
+    @register(Dispatch.ONE_TO_ALL)
+    def setup(self) -> None:
+        """Load models and state; called once after all actors exist."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def ping(self) -> dict[str, Any]:
+        return {"role": self.role, "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def shutdown(self) -> None:
+        """Release collectives and memory before the actor is killed."""
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    @register(Dispatch.RANK_ZERO)
+    def master_address(self) -> tuple[str, int]:
+        """This node's IP and a free port: rank 0's answer becomes the torch.distributed rendezvous."""
+        import ray
+
+        return ray.util.get_node_ip_address(), self.free_port()

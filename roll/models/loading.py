@@ -1,0 +1,100 @@
+"""Load Hugging Face causal LMs and tokenizers from local directories only.
+
+ROLL never downloads at run time: `model.path` must name a directory that already holds the model.
+`check_model_path` is cheap (no torch import) so config validation and the CLI can call it up front
+and fail before any worker starts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+# Any one of these is enough for AutoTokenizer to build a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# Single-file or sharded (index) checkpoints, safetensors or legacy pickle.
+WEIGHT_PATTERNS = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+)
+
+_HOW_TO_FIX = (
+    "Set model.path to a local directory holding a Hugging Face model (config.json, weights and "
+    "tokenizer files, e.g. from `hf download ORG/NAME --local-dir DIR` on a machine with network), "
+    "or set model.tiny to build a tiny model for tests and demos."
+)
+
+
+class ModelPathError(FileNotFoundError):
+    """A model directory is missing or lacks files needed to load the model or tokenizer."""
+
+
+def _missing_parts(path: Path, tokenizer: bool, weights: bool) -> str | None:
+    """Describe what ``path`` lacks to be loaded, or None when nothing is missing."""
+    if not path.exists():
+        return "the directory does not exist"
+    if not path.is_dir():
+        return "it is not a directory"
+    if not (path / "config.json").is_file():
+        return "it has no config.json"
+    if weights and not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        return "it has no weights (*.safetensors or pytorch_model*.bin)"
+    if tokenizer and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return f"it has no tokenizer files (any of {', '.join(TOKENIZER_FILES)})"
+    return None
+
+
+def check_model_path(path: str | os.PathLike, *, tokenizer: bool = True, weights: bool = True) -> None:
+    """Raise ModelPathError naming ``path``, what is missing and how to fix it, unless it looks loadable.
+
+    ``tokenizer`` / ``weights``: also require tokenizer files / weight files (loaders that need only
+    one of them switch the other off).
+    """
+    problem = _missing_parts(Path(path), tokenizer=tokenizer, weights=weights)
+    if problem is not None:
+        raise ModelPathError(f"Cannot load a model from {str(path)!r}: {problem}. {_HOW_TO_FIX}")
+
+
+def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
+    """The tokenizer saved at ``path``, left-padded and guaranteed to have a pad token.
+
+    Tokenizers without a pad token (many base models) get EOS as pad: with left padding the pads sit
+    before the prompt and are masked out by the attention mask, so their id never affects results, and
+    reusing an existing token avoids growing the vocabulary past the model's embedding matrix.
+    """
+    from transformers import AutoTokenizer
+
+    check_model_path(path, weights=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                f"The tokenizer at {str(path)!r} has neither a pad nor an eos token; add a pad token "
+                "to its tokenizer_config.json."
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    # Generation appends to the right end of each row, so prompts must be right-aligned.
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_causal_lm(
+    path: str | os.PathLike, dtype: str = "float32", device: str | torch.device = "cpu"
+) -> PreTrainedModel:
+    """The causal LM saved at ``path`` with parameters in ``dtype`` (a torch dtype name), on ``device``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    check_model_path(path, tokenizer=False)
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"dtype {dtype!r} is not a torch dtype name (e.g. float32, bfloat16, float16)")
+    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch_dtype)
+    return model.to(device)

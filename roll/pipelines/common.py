@@ -1,0 +1,125 @@
+"""Pieces every pipeline shares: model preparation, prompt encoding, evaluation, run-directory setup."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from roll.config.common import ModelConfig
+from roll.data.batch import Batch
+from roll.data.dataset import DatasetError, load_jsonl
+from roll.data.padding import left_pad, right_pad
+from roll.strategies.sampling import SamplingParams
+
+
+def prepare_model(model: ModelConfig, output_dir: str) -> str:
+    """Path of the initial model: ``model.path``, or a tiny model built once into the run directory."""
+    if model.path is not None:
+        return model.path
+    from roll.models.tiny import save_tiny_model
+
+    return str(save_tiny_model(model.tiny, Path(output_dir) / "tiny_model"))
+
+
+@dataclass
+class PromptSet:
+    """Dataset rows with their rendered prompt text and token ids (tokenised once, at load)."""
+
+    rows: list[dict]
+    texts: list[str]
+    token_ids: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def render_prompt(tokenizer: Any, prompt: str, apply_chat_template: bool) -> str:
+    if not apply_chat_template:
+        return prompt
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+
+
+def load_prompts(
+    path: str, tokenizer: Any, prompt_key: str, apply_chat_template: bool, max_prompt_length: int,
+    required_keys: tuple[str, ...] = (),
+) -> PromptSet:
+    """Read a JSONL file and tokenise every prompt; too-long prompts are an error naming file and line."""
+    rows = load_jsonl(path, required_keys=(prompt_key, *required_keys))
+    texts = [render_prompt(tokenizer, str(row[prompt_key]), apply_chat_template) for row in rows]
+    token_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    for index, ids in enumerate(token_ids):
+        if len(ids) > max_prompt_length:
+            raise DatasetError(
+                f"{path}: row {index + 1} has a {len(ids)}-token prompt, longer than "
+                f"data.max_prompt_length={max_prompt_length}; raise it or shorten the prompt"
+            )
+    return PromptSet(rows, texts, token_ids)
+
+
+def prompt_batch(prompts: PromptSet, indices: list[int], pad_id: int) -> Batch:
+    """``prompt_ids``/``prompt_mask`` (left-padded) plus ``prompt_text`` and the raw ``sample`` rows."""
+    ids, mask = left_pad([prompts.token_ids[i] for i in indices], pad_id)
+    return Batch(
+        tensors={"prompt_ids": ids, "prompt_mask": mask},
+        non_tensors={"prompt_text": [prompts.texts[i] for i in indices], "sample": [prompts.rows[i] for i in indices]},
+    )
+
+
+def response_tensors(tokenizer: Any, responses: list[str], length: int | None = None) -> dict[str, torch.Tensor]:
+    """Target responses followed by EOS, right-padded: what the model should emit (SFT)."""
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in responses]
+    response_ids, response_mask = right_pad(ids, tokenizer.pad_token_id, length)
+    return {"response_ids": response_ids, "response_mask": response_mask}
+
+
+GenerateFn = Callable[[Batch, SamplingParams], Batch]
+ScoreFn = Callable[[Batch], torch.Tensor]
+
+
+def evaluate(
+    prompts: PromptSet, generate: GenerateFn, score: ScoreFn, params: SamplingParams, batch_size: int,
+    pad_id: int, max_prompts: int | None = None, divisor: int = 1,
+) -> dict[str, float]:
+    """Greedy decoding on held-out prompts: mean reward as ``eval/score`` plus response length."""
+    count = min(len(prompts), max_prompts or len(prompts))
+    scores, lengths = [], []
+    for start in range(0, count, batch_size):
+        batch = prompt_batch(prompts, list(range(start, min(start + batch_size, count))), pad_id)
+        padded, num_padded = batch.pad_to_divisor(divisor)
+        generated = generate(padded, params).unpad(num_padded)
+        scored = batch.union(generated)
+        scores.append(score(scored))
+        lengths.append(generated["response_mask"].sum(dim=1).float())
+    return {"eval/score": torch.cat(scores).mean().item(), "eval/response_length": torch.cat(lengths).mean().item()}
+
+
+class StageTimer:
+    """Wall time per named stage of a step, reported as ``time/<stage>_s``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{stage}_s": value for stage, value in self.seconds.items()}
+
+
+def write_resolved_config(config: Any, output_dir: str) -> None:
+    from roll.config import to_yaml
+
+    path = Path(output_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.yaml").write_text(to_yaml(config))

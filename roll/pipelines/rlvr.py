@@ -1,0 +1,259 @@
+"""RLVR: reinforcement learning with verifiable rewards. The single controller's loop reads like the paper:
+generate -> reward -> reference/old logprobs -> advantages -> train -> sync weights -> log -> evaluate."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from roll.algorithms import ADVANTAGE_ESTIMATORS
+from roll.config.rlvr import RLVRConfig
+from roll.config.sft import SFTConfig, SFTDataConfig
+from roll.data.batch import Batch
+from roll.data.dataset import PromptIterator
+from roll.distributed.cluster import Cluster, wait_all
+from roll.distributed.ray_utils import init_ray
+from roll.models.loading import load_tokenizer
+from roll.pipelines.common import (
+    StageTimer,
+    evaluate,
+    load_prompts,
+    prepare_model,
+    prompt_batch,
+    write_resolved_config,
+)
+from roll.strategies.sampling import SamplingParams
+from roll.tracking import Tracker
+from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
+from roll.workers.base import ModelSpec
+from roll.workers.reference import ReferenceWorker
+from roll.workers.reward import RewardWorker
+from roll.workers.rollout import RolloutWorker
+
+
+class RLVRPipeline:
+    def __init__(self, config: RLVRConfig):
+        self.config = config
+        write_resolved_config(config, config.output_dir)
+        self.model_path = prepare_model(config.model, config.output_dir)
+        if config.sft_warm_start is not None:
+            self.model_path = self._warm_start()
+        self.tokenizer = load_tokenizer(self.model_path)
+        data = config.data
+        self.train_prompts = load_prompts(
+            data.train_path, self.tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_length
+        )
+        self.eval_prompts = (
+            load_prompts(data.eval_path, self.tokenizer, data.prompt_key, data.apply_chat_template,
+                         data.max_prompt_length)
+            if data.eval_path else None
+        )
+        self.prompt_order = PromptIterator(
+            list(range(len(self.train_prompts))), config.rollout.rollout_batch_size, seed=config.seed
+        )
+        rollout = config.rollout
+        self.sampling = SamplingParams(
+            max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
+            top_k=rollout.top_k,
+        )
+        self.eval_sampling = self.sampling.as_greedy(config.eval.max_new_tokens)
+        self._start_clusters()
+
+    def _warm_start(self) -> str:
+        """SFT on the training rows' reference answers, as its own pipeline; its model starts RL."""
+        from roll.pipelines.sft import SFTPipeline
+
+        cfg = self.config
+        sft_config = SFTConfig(
+            run_name=f"{cfg.run_name}-sft",
+            output_dir=str(Path(cfg.output_dir) / "sft"),
+            seed=cfg.seed,
+            model=dataclasses.replace(cfg.model, path=self.model_path, tiny=None),
+            data=SFTDataConfig(
+                train_path=cfg.data.train_path, eval_path=cfg.data.eval_path, prompt_key=cfg.data.prompt_key,
+                response_key=cfg.data.response_key, apply_chat_template=cfg.data.apply_chat_template,
+                max_prompt_length=cfg.data.max_prompt_length,
+            ),
+            train=cfg.sft_warm_start,
+            reward=cfg.reward,
+            eval=dataclasses.replace(cfg.eval, every_steps=0),
+            tracking=cfg.tracking,
+            ray=cfg.ray,
+        )
+        return SFTPipeline(sft_config).run()
+
+    def _start_clusters(self) -> None:
+        cfg = self.config
+        init_ray(cfg.ray)
+        model = ModelSpec(path=self.model_path, dtype=cfg.model.dtype, seed=cfg.seed)
+        samples = cfg.rollout.rollout_batch_size * cfg.rollout.num_return_sequences
+        mini_batch = cfg.actor.mini_batch_size or samples
+        updates_per_step = cfg.actor.ppo_epochs * (samples // mini_batch)
+        actor_spec = ActorSpec(
+            model=model,
+            optimizer=OptimizerSpec(
+                lr=cfg.actor.lr, total_steps=cfg.steps * updates_per_step, weight_decay=cfg.actor.weight_decay,
+                warmup_steps=cfg.actor.warmup_steps, lr_scheduler=cfg.actor.lr_scheduler,
+                max_grad_norm=cfg.actor.max_grad_norm,
+            ),
+            micro_batch_size=cfg.actor.micro_batch_size,
+            ppo_epochs=cfg.actor.ppo_epochs,
+            mini_batch_size=cfg.actor.mini_batch_size,
+            algorithm=cfg.algorithm,
+            temperature=cfg.rollout.temperature,
+            collective_timeout_s=cfg.ray.call_timeout_s,
+        )
+        # With one optimizer step per rollout batch the "old" policy is the current one: its logprobs
+        # come free inside the train step, so the extra forward pass is skipped.
+        self.needs_old_logprobs = updates_per_step > 1
+        timeout = cfg.ray.call_timeout_s
+        self.actor = Cluster("actor", ActorWorker, cfg.actor.world_size, actor_spec, timeout)
+        self.rollout = Cluster("rollout", RolloutWorker, cfg.rollout.world_size, _Holder(model), timeout)
+        self.reward = Cluster("reward", RewardWorker, cfg.reward_world_size, cfg.reward, timeout)
+        self.reference = (
+            Cluster("reference", ReferenceWorker, cfg.actor.world_size, _Holder(model), timeout)
+            if cfg.algorithm.kl_coef > 0 else None
+        )
+        master = self.actor.master_address() if cfg.actor.world_size > 1 else (None, None)
+        futures = [
+            self.actor.setup(master_addr=master[0], master_port=master[1], blocking=False),
+            self.rollout.setup(blocking=False),
+        ]
+        if self.reference is not None:
+            futures.append(self.reference.setup(blocking=False))
+        wait_all(*futures)
+
+    def run(self) -> dict[str, float]:
+        """Train for ``config.steps`` steps; returns the final metrics (eval before/after included)."""
+        cfg = self.config
+        with Tracker(cfg.output_dir, cfg.run_name, cfg.steps, cfg.tracking.backends, cfg.tracking.log_every,
+                     config=dataclasses.asdict(cfg)) as tracker:
+            results: dict[str, float] = {}
+            if self.eval_prompts is not None:
+                before = self.evaluate()
+                tracker.log(0, before)
+                results["eval/score_before"] = before["eval/score"]
+            metrics: dict[str, float] = {}
+            for step in range(1, cfg.steps + 1):
+                metrics = self.step(step)
+                if self.eval_prompts is not None and (
+                    (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == cfg.steps
+                ):
+                    metrics.update(self.evaluate())
+                    self._warn_on_collapse(tracker, metrics["eval/score"], results)
+                tracker.log(step, metrics)
+            results.update(metrics)
+            if self.eval_prompts is not None:
+                results["eval/score_after"] = metrics["eval/score"]
+                tracker.print(
+                    f"eval/score before RL {results['eval/score_before']:.3f} -> after RL "
+                    f"{results['eval/score_after']:.3f}"
+                )
+            final = self.actor.save_pretrained(str(Path(cfg.output_dir) / "model"))
+            tracker.print(f"final model saved to {final}")
+        self.shutdown()
+        return results
+
+    def step(self, step: int) -> dict[str, float]:
+        cfg = self.config
+        timer = StageTimer()
+        start = time.perf_counter()
+        indices = self.prompt_order.next_batch()
+        batch = prompt_batch(self.train_prompts, indices, self.tokenizer.pad_token_id)
+        batch["group_index"] = torch.arange(len(indices))
+        batch = batch.repeat(cfg.rollout.num_return_sequences, interleave=True)
+
+        with timer("generate"):
+            batch = batch.union(self.rollout.generate(batch, self.sampling))
+        with timer("reward"):
+            scores = self.reward.compute_rewards(batch)["scores"]
+        with timer("logprobs"):
+            futures = []
+            if self.reference is not None:
+                futures.append(("ref_logprobs", self.reference.compute_logprobs(batch, cfg.rollout.temperature,
+                                                                                blocking=False)))
+            if self.needs_old_logprobs:
+                futures.append(("old_logprobs", self.actor.compute_logprobs(batch, cfg.rollout.temperature,
+                                                                            blocking=False)))
+            for key, future in futures:
+                batch[key] = future.get()["logprobs"]
+        batch["advantages"] = self._advantages(batch, scores)
+        with timer("train"):
+            train_metrics = self.actor.train_step(batch)
+        with timer("sync"):
+            weights = self.actor.export_weights(blocking=False)
+            self.rollout.load_weights(weights.refs[0], step)
+
+        step_time = time.perf_counter() - start
+        lengths = batch["response_mask"].sum(dim=1).float()
+        tokens = float(lengths.sum() + batch["prompt_mask"].sum())
+        metrics = {
+            "reward/mean": scores.mean().item(),
+            "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
+            "reward/all_same_group_frac": _all_same_group_fraction(scores, cfg.rollout.num_return_sequences),
+            "response/length_mean": lengths.mean().item(),
+            "response/truncated_frac": sum(r == "length" for r in batch["finish_reason"]) / len(batch),
+            **{f"actor/{k}": v for k, v in train_metrics.items()},
+            **timer.metrics(),
+            "time/step_s": step_time,
+            "throughput/tokens_per_s": tokens / step_time,
+        }
+        return metrics
+
+    def _advantages(self, batch: Batch, scores: torch.Tensor) -> torch.Tensor:
+        """Outcome reward on the last response token, then the configured estimator."""
+        algo = self.config.algorithm
+        mask = batch["response_mask"].float()
+        last = (mask.sum(dim=1).long() - 1).clamp(min=0)
+        token_rewards = torch.zeros_like(mask)
+        token_rewards[torch.arange(len(batch)), last] = scores
+        estimator = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)
+        params: dict[str, Any] = {"norm_adv_by_std": algo.norm_adv_by_std} if algo.advantage_estimator == "grpo" else {}
+        advantages, _returns = estimator(token_rewards, mask, batch["group_index"], **params)
+        return advantages
+
+    def evaluate(self) -> dict[str, float]:
+        assert self.eval_prompts is not None
+        return evaluate(
+            self.eval_prompts,
+            generate=lambda batch, params: self.rollout.generate(batch, params),
+            score=lambda batch: self.reward.compute_rewards(batch)["scores"],
+            params=self.eval_sampling,
+            batch_size=self.config.eval.batch_size,
+            pad_id=self.tokenizer.pad_token_id,
+            max_prompts=self.config.eval.max_prompts,
+            divisor=self.config.rollout.world_size * self.config.reward_world_size,
+        )
+
+    def _warn_on_collapse(self, tracker: Tracker, score: float, results: dict[str, float]) -> None:
+        """A silent collapse (the eval score falling far below its best) is the classic sign of a too-high
+        learning rate; say so while the run is still going."""
+        best = max(results.get("eval/best", 0.0), results.get("eval/score_before", 0.0))
+        if best > 0.1 and score < 0.5 * best:
+            tracker.print(
+                f"WARNING: eval/score fell to {score:.3f} from a best of {best:.3f}: the policy may be "
+                "collapsing; try a lower actor.lr, a kl_coef > 0 or a smaller clip ratio"
+            )
+        results["eval/best"] = max(best, score)
+
+    def shutdown(self) -> None:
+        for cluster in (self.actor, self.rollout, self.reward, self.reference):
+            if cluster is not None:
+                cluster.kill()
+
+
+@dataclasses.dataclass
+class _Holder:
+    """Config object for model-only workers (reference, rollout)."""
+
+    model: ModelSpec
+
+
+def _all_same_group_fraction(scores: torch.Tensor, group_size: int) -> float:
+    """Share of prompts whose samples all got the same reward: they carry no GRPO learning signal."""
+    groups = scores.view(-1, group_size)
+    return (groups.max(dim=1).values == groups.min(dim=1).values).float().mean().item()

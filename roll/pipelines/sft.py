@@ -1,0 +1,114 @@
+"""SFT: supervised fine-tuning on prompt/response rows, with greedy held-out evaluation."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+
+from roll.config.sft import SFTConfig
+from roll.data.batch import Batch
+from roll.data.dataset import PromptIterator
+from roll.distributed.cluster import Cluster
+from roll.distributed.ray_utils import init_ray
+from roll.models.loading import load_tokenizer
+from roll.pipelines.common import (
+    evaluate,
+    load_prompts,
+    prepare_model,
+    prompt_batch,
+    response_tensors,
+    write_resolved_config,
+)
+from roll.rewards import score_response
+from roll.strategies.sampling import SamplingParams
+from roll.tracking import Tracker
+from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
+from roll.workers.base import ModelSpec
+
+
+class SFTPipeline:
+    def __init__(self, config: SFTConfig):
+        self.config = config
+        write_resolved_config(config, config.output_dir)
+        self.model_path = prepare_model(config.model, config.output_dir)
+        self.tokenizer = load_tokenizer(self.model_path)
+        data = config.data
+        self.train_rows = load_prompts(
+            data.train_path, self.tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_length,
+            required_keys=(data.response_key,),
+        )
+        self.eval_prompts = (
+            load_prompts(data.eval_path, self.tokenizer, data.prompt_key, data.apply_chat_template,
+                         data.max_prompt_length)
+            if data.eval_path else None
+        )
+        self.order = PromptIterator(list(range(len(self.train_rows))), config.train.batch_size, seed=config.seed)
+        self.eval_sampling = SamplingParams(max_new_tokens=config.eval.max_new_tokens, greedy=True)
+        init_ray(config.ray)
+        train = config.train
+        spec = ActorSpec(
+            model=ModelSpec(path=self.model_path, dtype=config.model.dtype, seed=config.seed),
+            optimizer=OptimizerSpec(
+                lr=train.lr, total_steps=train.steps, weight_decay=train.weight_decay,
+                warmup_steps=train.warmup_steps, lr_scheduler=train.lr_scheduler, max_grad_norm=train.max_grad_norm,
+            ),
+            micro_batch_size=train.micro_batch_size,
+            collective_timeout_s=config.ray.call_timeout_s,
+        )
+        self.actor = Cluster("actor", ActorWorker, train.world_size, spec, config.ray.call_timeout_s)
+        master = self.actor.master_address() if train.world_size > 1 else (None, None)
+        self.actor.setup(master_addr=master[0], master_port=master[1])
+
+    def run(self) -> str:
+        """Train, evaluate, save; returns the path of the fine-tuned model (Hugging Face format)."""
+        cfg = self.config
+        with Tracker(cfg.output_dir, cfg.run_name, cfg.train.steps, cfg.tracking.backends, cfg.tracking.log_every,
+                     config=dataclasses.asdict(cfg)) as tracker:
+            if self.eval_prompts is not None:
+                before = self.evaluate()
+                tracker.log(0, before)
+            metrics: dict[str, float] = {}
+            for step in range(1, cfg.train.steps + 1):
+                start = time.perf_counter()
+                metrics = {f"sft/{k}": v for k, v in self.actor.sft_step(self.batch(self.order.next_batch())).items()}
+                metrics["time/step_s"] = time.perf_counter() - start
+                last = step == cfg.train.steps
+                if self.eval_prompts is not None and ((cfg.eval.every_steps and step % cfg.eval.every_steps == 0)
+                                                      or last):
+                    metrics.update(self.evaluate())
+                tracker.log(step, metrics)
+            if self.eval_prompts is not None:
+                tracker.print(f"SFT eval/score {before['eval/score']:.3f} -> {metrics['eval/score']:.3f}")
+            path = self.actor.save_pretrained(str(Path(cfg.output_dir) / "model"))
+            tracker.print(f"SFT model saved to {path}")
+        self.actor.kill()
+        return path
+
+    def batch(self, indices: list[int]) -> Batch:
+        batch = prompt_batch(self.train_rows, indices, self.tokenizer.pad_token_id)
+        key = self.config.data.response_key
+        for name, tensor in response_tensors(self.tokenizer, [str(s[key]) for s in batch["sample"]]).items():
+            batch[name] = tensor
+        return batch
+
+    def evaluate(self) -> dict[str, float]:
+        assert self.eval_prompts is not None
+        return evaluate(
+            self.eval_prompts,
+            generate=lambda batch, params: self.actor.generate(batch, params),
+            score=self.score,
+            params=self.eval_sampling,
+            batch_size=self.config.eval.batch_size,
+            pad_id=self.tokenizer.pad_token_id,
+            max_prompts=self.config.eval.max_prompts,
+            divisor=self.config.train.world_size,
+        )
+
+    def score(self, batch: Batch) -> torch.Tensor:
+        return torch.tensor([
+            score_response(self.config.reward, prompt, response, sample).score
+            for prompt, response, sample in zip(batch["prompt_text"], batch["response_text"], batch["sample"])
+        ])

@@ -1,0 +1,9 @@
+"""Pure reward functions, registered by name: ``(prompt, response, sample) -> float | RewardOutput``.
+
+Importing this package registers the built-in rewards. Nothing here imports Ray or worker code.
+"""
+
+from roll.rewards import match  # noqa: F401  (registers exact_match and numeric_match)
+from roll.rewards.base import REWARD_FUNCTIONS, RewardOutput, score_response
+
+__all__ = ["REWARD_FUNCTIONS", "RewardOutput", "score_response"]

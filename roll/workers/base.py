@@ -1,0 +1,54 @@
+"""``ModelWorker``: a worker that holds a causal LM (actor, reference, rollout share this)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from roll.data.batch import Batch
+from roll.distributed.dispatch import Dispatch
+from roll.distributed.worker import Worker, register
+
+
+@dataclass
+class ModelSpec:
+    """What every model-holding worker needs to start."""
+
+    path: str
+    dtype: str = "float32"
+    seed: int = 0
+    # Stages of a step run one after another, so one busy worker may use every core.
+    num_threads: int | None = None
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class ModelWorker(Worker):
+    """Loads ``config.model`` (a ModelSpec) in ``setup`` and computes response logprobs."""
+
+    model: torch.nn.Module
+
+    @register(Dispatch.ONE_TO_ALL)
+    def setup(self, **_: object) -> None:
+        from roll.models.loading import load_causal_lm, load_tokenizer
+
+        spec: ModelSpec = self.config.model
+        if spec.num_threads:
+            torch.set_num_threads(spec.num_threads)
+        torch.manual_seed(spec.seed + self.rank)
+        self.device = pick_device()
+        self.tokenizer = load_tokenizer(spec.path)
+        self.model = load_causal_lm(spec.path, dtype=spec.dtype, device=self.device)
+        self.model.eval()
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
+        """``logprobs`` [B, R] of the response tokens under this worker's current weights."""
+        from roll.strategies.hf_forward import response_logprobs
+
+        with torch.inference_mode():
+            logprobs, _ = response_logprobs(self.model, batch.to(self.device), temperature)
+        return Batch(tensors={"logprobs": logprobs.cpu()})
