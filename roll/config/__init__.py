@@ -1,4 +1,6 @@
-"""Typed pipeline configs loaded from YAML with dotted overrides. Importing this never imports torch or Ray."""
+"""Typed pipeline configs loaded from YAML with dotted overrides.
+
+Importing this never imports torch or Ray."""
 
 from roll.config.common import EvalConfig, ModelConfig, RayConfig, TinyModelConfig, TrackingConfig
 from roll.config.loader import PIPELINE_CONFIGS, ConfigError, load_config, to_yaml, validate

@@ -11,7 +11,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
@@ -21,7 +21,7 @@ from roll.config.rlvr import RLVRConfig
 from roll.config.sft import SFTConfig
 from roll.utils.registry import Registry, did_you_mean
 
-PipelineConfig = Union[RLVRConfig, SFTConfig]
+PipelineConfig = RLVRConfig | SFTConfig
 
 PIPELINE_CONFIGS: Registry[type] = Registry("pipeline")
 PIPELINE_CONFIGS.register("rlvr")(RLVRConfig)
@@ -108,7 +108,9 @@ def _to_dataclass(schema: type, raw: Any, source: str) -> Any:
     except MissingMandatoryValue as e:
         raise ConfigError(f"{source}: `{e.full_key}` is required ({_doc(schema, e.full_key)})") from None
     except OmegaConfBaseException as e:
-        raise ConfigError(f"{source}: `{e.full_key}`: {_first_line(e)}{_unknown_key_hint(e, schema)}") from None
+        # Some merge errors (e.g. a scalar where a section belongs) carry no key at all.
+        where = f"`{e.full_key}`: " if getattr(e, "full_key", None) else ""
+        raise ConfigError(f"{source}: {where}{_first_line(e)}{_unknown_key_hint(e, schema)}") from None
 
 
 def _first_line(e: OmegaConfBaseException) -> str:
@@ -122,7 +124,7 @@ def _unknown_key_hint(e: OmegaConfBaseException, schema: type) -> str:
     if "not in" not in str(e) or "." in key or "Did you mean" in str(e):
         return ""
     names = [f.name for f in dataclasses.fields(schema)]
-    return did_you_mean(key, names) or f" Known keys: {', '.join(names)}"
+    return "." + (did_you_mean(key, names) or f" Known keys: {', '.join(names)}")
 
 
 def _doc(schema: type, key: str) -> str:

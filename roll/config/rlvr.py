@@ -17,7 +17,9 @@ class RLVRDataConfig:
     train_path: str = option(help="JSONL file of training prompts.")
     eval_path: str | None = option(None, help="JSONL file of held-out prompts for greedy evaluation.")
     prompt_key: str = option("prompt", help="Row field holding the prompt text.")
-    response_key: str = option("answer", help="Row field with the reference answer (used by the SFT warm start).")
+    response_key: str = option(
+        "answer", help="Row field with the reference answer (used by the SFT warm start)."
+    )
     apply_chat_template: bool = option(True, help="Wrap prompts in the tokenizer's chat template.")
     max_prompt_length: int = option(64, help="Prompts longer than this many tokens are rejected at load.")
 
@@ -51,7 +53,9 @@ class ActorConfig:
     mini_batch_size: int | None = option(
         None, help="Samples per optimizer step; unset means the whole rollout batch (one step per epoch)."
     )
-    micro_batch_size: int = option(64, help="Samples per forward/backward on one rank (gradient accumulation).")
+    micro_batch_size: int = option(
+        64, help="Samples per forward/backward on one rank (gradient accumulation)."
+    )
 
 
 @dataclass

@@ -28,7 +28,9 @@ def check_model(model: ModelConfig) -> list[str]:
 
 def check_file(key: str, path: str | None) -> list[str]:
     if path is not None and not Path(path).is_file():
-        return [f"{key}: file '{path}' does not exist (paths are relative to the working directory {Path.cwd()})"]
+        return [
+            f"{key}: file '{path}' does not exist (paths are relative to the working directory {Path.cwd()})"
+        ]
     return []
 
 
@@ -54,7 +56,9 @@ def check_registry(key: str, name: str, registry_module: str, registry_attr: str
 
 
 def check_eval(eval_cfg: EvalConfig, eval_path: str | None) -> list[str]:
-    problems = check_positive(**{"eval.max_new_tokens": eval_cfg.max_new_tokens, "eval.batch_size": eval_cfg.batch_size})
+    problems = check_positive(
+        **{"eval.max_new_tokens": eval_cfg.max_new_tokens, "eval.batch_size": eval_cfg.batch_size}
+    )
     if eval_cfg.every_steps < 0:
         problems.append(f"eval.every_steps must be >= 0 (got {eval_cfg.every_steps})")
     if eval_path is None and eval_cfg.every_steps > 0:
@@ -73,7 +77,9 @@ def check_sft_train(train: SFTTrainConfig, prefix: str) -> list[str]:
         }
     )
     if not problems:
-        problems += check_divides(f"{prefix}.world_size", train.world_size, f"{prefix}.batch_size", train.batch_size)
+        problems += check_divides(
+            f"{prefix}.world_size", train.world_size, f"{prefix}.batch_size", train.batch_size
+        )
     return problems
 
 
@@ -84,7 +90,8 @@ def check_sequence_fits(model: ModelConfig, max_prompt_length: int, max_new_toke
     if longest > model.tiny.max_position_embeddings:
         return [
             f"data.max_prompt_length + max_new_tokens = {longest} exceeds "
-            f"model.tiny.max_position_embeddings ({model.tiny.max_position_embeddings}); raise it or shorten them"
+            f"model.tiny.max_position_embeddings ({model.tiny.max_position_embeddings}); "
+            "raise it or shorten them"
         ]
     return []
 
@@ -124,7 +131,9 @@ def validate_rlvr(cfg: RLVRConfig) -> list[str]:
         return problems
     samples = rollout.rollout_batch_size * rollout.num_return_sequences
     samples_key = f"rollout.rollout_batch_size x rollout.num_return_sequences = {samples} samples; that"
-    problems += check_divides("rollout.world_size", rollout.world_size, "rollout.rollout_batch_size", rollout.rollout_batch_size)
+    problems += check_divides(
+        "rollout.world_size", rollout.world_size, "rollout.rollout_batch_size", rollout.rollout_batch_size
+    )
     mini = actor.mini_batch_size or samples
     if actor.mini_batch_size is not None:
         if mini % rollout.num_return_sequences != 0:
@@ -136,17 +145,26 @@ def validate_rlvr(cfg: RLVRConfig) -> list[str]:
     problems += check_divides("actor.world_size", actor.world_size, f"the mini-batch ({mini} samples)", mini)
     if algo.advantage_estimator == "grpo" and rollout.num_return_sequences < 2:
         problems.append(
-            "algorithm.advantage_estimator=grpo compares samples within a group: set rollout.num_return_sequences >= 2"
+            "algorithm.advantage_estimator=grpo compares samples within a group: "
+            "set rollout.num_return_sequences >= 2"
         )
     if algo.kl_coef < 0 or algo.entropy_coef < 0:
         problems.append("algorithm.kl_coef and algorithm.entropy_coef must be >= 0")
-    problems += check_registry("algorithm.advantage_estimator", algo.advantage_estimator, "roll.algorithms", "ADVANTAGE_ESTIMATORS")
+    problems += check_registry(
+        "algorithm.advantage_estimator", algo.advantage_estimator, "roll.algorithms", "ADVANTAGE_ESTIMATORS"
+    )
     problems += check_registry("algorithm.policy_loss", algo.policy_loss, "roll.algorithms", "POLICY_LOSSES")
-    problems += check_registry("algorithm.loss_agg_mode", algo.loss_agg_mode, "roll.algorithms", "LOSS_AGGREGATIONS")
-    problems += check_registry("algorithm.kl_estimator", algo.kl_estimator, "roll.algorithms", "KL_ESTIMATORS")
+    problems += check_registry(
+        "algorithm.loss_agg_mode", algo.loss_agg_mode, "roll.algorithms", "LOSS_AGGREGATIONS"
+    )
+    problems += check_registry(
+        "algorithm.kl_estimator", algo.kl_estimator, "roll.algorithms", "KL_ESTIMATORS"
+    )
     problems += check_registry("reward", cfg.reward, "roll.rewards", "REWARD_FUNCTIONS")
     problems += check_eval(cfg.eval, cfg.data.eval_path)
-    problems += check_sequence_fits(cfg.model, cfg.data.max_prompt_length, max(rollout.max_new_tokens, cfg.eval.max_new_tokens))
+    problems += check_sequence_fits(
+        cfg.model, cfg.data.max_prompt_length, max(rollout.max_new_tokens, cfg.eval.max_new_tokens)
+    )
     if cfg.sft_warm_start is not None:
         problems += check_sft_train(cfg.sft_warm_start, "sft_warm_start")
     return problems

@@ -94,13 +94,17 @@ class PromptIterator:
 
     def next_batch(self) -> list[dict]:
         """The next ``batch_size`` rows (shallow copies, so callers may add fields freely)."""
+        return [dict(self.rows[i]) for i in self.next_indices()]
+
+    def next_indices(self) -> list[int]:
+        """Row indices of the next batch (for callers that keep per-row data alongside the rows)."""
         if self.position + self.batch_size > len(self.rows):
             self.epoch += 1
             self.position = 0
             self._order = self._epoch_order(self.epoch)
         indices = self._order[self.position : self.position + self.batch_size]
         self.position += self.batch_size
-        return [dict(self.rows[i]) for i in indices]
+        return indices
 
     def __iter__(self) -> PromptIterator:
         return self

@@ -7,7 +7,9 @@ import random
 from pathlib import Path
 
 
-def addition_rows(count: int, max_operand: int = 99, seed: int = 0, exclude: set[str] | None = None) -> list[dict]:
+def addition_rows(
+    count: int, max_operand: int = 99, seed: int = 0, exclude: set[str] | None = None
+) -> list[dict]:
     """Distinct ``{"prompt": "a+b", "answer": "a+b's value"}`` rows with 0 <= a, b <= max_operand."""
     pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
     random.Random(seed).shuffle(pairs)
@@ -19,10 +21,14 @@ def addition_rows(count: int, max_operand: int = 99, seed: int = 0, exclude: set
         rows.append({"prompt": prompt, "answer": str(a + b)})
         if len(rows) == count:
             return rows
-    raise ValueError(f"only {len(rows)} distinct problems exist with max_operand={max_operand}; asked for {count}")
+    raise ValueError(
+        f"only {len(rows)} distinct problems exist with max_operand={max_operand}; asked for {count}"
+    )
 
 
-def write_addition_split(directory: str | Path, train: int = 4000, held_out: int = 200, seed: int = 0) -> None:
+def write_addition_split(
+    directory: str | Path, train: int = 4000, held_out: int = 200, seed: int = 0
+) -> None:
     """Write ``train.jsonl`` and a disjoint ``eval.jsonl`` into ``directory``."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,8 @@ waits with a timeout and merges the results. An exception on any rank is raised 
 
 from __future__ import annotations
 
-import functools
+import inspect
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,8 @@ class WorkerError(RuntimeError):
     """A remote worker failed; ``role`` and ``rank`` say which one."""
 
     def __init__(self, role: str, rank: int, method: str, detail: str):
+        # Ray colours remote tracebacks for terminals; in log files the escape codes are noise.
+        detail = re.sub(r"\x1b\[[0-9;]*m", "", detail)
         super().__init__(f"{role} rank {rank} failed in {method}():\n{detail}")
         self.role, self.rank, self.method = role, rank, method
 
@@ -35,8 +38,14 @@ class WorkerTimeoutError(WorkerError, TimeoutError):
 class ClusterFuture:
     """Pending results of one Cluster call; ``get()`` waits (with the cluster's timeout) and merges them."""
 
-    def __init__(self, refs: list[ray.ObjectRef], collect: Callable[[list[Any]], Any], role: str, method: str,
-                 timeout_s: float):
+    def __init__(
+        self,
+        refs: list[ray.ObjectRef],
+        collect: Callable[[list[Any]], Any],
+        role: str,
+        method: str,
+        timeout_s: float,
+    ):
         self.refs, self._collect = refs, collect
         self.role, self.method, self.timeout_s = role, method, timeout_s
 
@@ -57,7 +66,9 @@ def wait_for_ranks(refs: list[ray.ObjectRef], role: str, method: str, timeout_s:
         if not ready:
             ranks = sorted(rank_of[r] for r in pending)
             raise WorkerTimeoutError(
-                role, ranks[0], method,
+                role,
+                ranks[0],
+                method,
                 f"no answer after {timeout_s:.0f} s from rank(s) {ranks} "
                 "(raise ray.call_timeout_s if this work is legitimately slow)",
             )
@@ -97,6 +108,7 @@ class Cluster:
             remote_cls.options(name=None, max_concurrency=1).remote(role, rank, world_size, config, env)
             for rank in range(world_size)
         ]
+        self.worker_cls = worker_cls
         self._methods = registered_methods(worker_cls)
         for name, mode in self._methods.items():
             setattr(self, name, self._make_caller(name, mode))
@@ -104,20 +116,27 @@ class Cluster:
     def _make_caller(self, name: str, mode: Dispatch) -> Callable[..., Any]:
         dispatch = DISPATCH_MODES[mode]
 
-        @functools.wraps(getattr(Worker, name, lambda: None))
         def call(*args: Any, blocking: bool = True, **kwargs: Any) -> Any:
             per_rank = dispatch.split(self.world_size, args, kwargs)
-            refs = [getattr(w, name).remote(*a, **k) for w, (a, k) in zip(self.workers, per_rank)]
+            pairs = zip(self.workers, per_rank, strict=True)
+            refs = [getattr(w, name).remote(*a, **k) for w, (a, k) in pairs]
             future = ClusterFuture(refs, dispatch.collect, self.role, name, self.timeout_s)
             return future.get() if blocking else future
 
+        # Document the caller from the worker class's own method (not the base Worker's, which most
+        # methods do not exist on), so help(cluster.method) shows what the role's method does.
+        method = getattr(self.worker_cls, name)
         call.__name__ = name
+        call.__qualname__ = f"{type(self).__name__}[{self.worker_cls.__name__}].{name}"
+        usage = f"Dispatch: {mode.value}; pass blocking=False to get a ClusterFuture."
+        call.__doc__ = f"{inspect.getdoc(method) or ''}\n\n{usage}".strip()
+        call.__signature__ = caller_signature(method)  # type: ignore[attr-defined]
         return call
 
     def kill(self) -> None:
         """Ask every rank to release its resources, then end the actors."""
         try:
-            wait_for_ranks([w.shutdown.remote() for w in self.workers], self.role, "shutdown", 60.0)
+            wait_for_ranks([w.shutdown.remote() for w in self.workers], self.role, "shutdown", 10.0)
         except WorkerError:
             pass  # a worker that cannot shut down cleanly is killed below all the same
         for worker in self.workers:
@@ -125,6 +144,22 @@ class Cluster:
 
     def __repr__(self) -> str:
         return f"Cluster(role={self.role!r}, world_size={self.world_size}, methods={sorted(self._methods)})"
+
+
+def caller_signature(method: Callable[..., Any]) -> inspect.Signature:
+    """The worker method's signature without ``self``, plus the keyword-only ``blocking`` flag."""
+    kind = inspect.Parameter
+    blocking = kind("blocking", kind.KEYWORD_ONLY, default=True, annotation="bool")
+    try:
+        # Drop self, and the tracing parameter that ray.remote() injects into the class's methods.
+        params = list(inspect.signature(method).parameters.values())[1:]
+        params = [p for p in params if p.name != "_ray_trace_ctx"]
+        # **kwargs must stay last; blocking goes right before it (or at the end).
+        at = len(params) - 1 if params and params[-1].kind is kind.VAR_KEYWORD else len(params)
+        return inspect.Signature([*params[:at], blocking, *params[at:]])
+    except (TypeError, ValueError):  # no signature, or the method has its own `blocking` parameter
+        varargs, varkw = kind("args", kind.VAR_POSITIONAL), kind("kwargs", kind.VAR_KEYWORD)
+        return inspect.Signature([varargs, blocking, varkw])
 
 
 def wait_all(*futures: ClusterFuture) -> list[Any]:

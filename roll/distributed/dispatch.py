@@ -17,7 +17,9 @@ RankArgs = list[tuple[tuple, dict]]
 
 class Dispatch(str, Enum):
     ONE_TO_ALL = "one_to_all"  # every rank gets the same arguments; the result is the list of rank results
-    ALL_TO_ALL = "all_to_all"  # argument i of every list goes to rank i; the result is the list of rank results
+    ALL_TO_ALL = (
+        "all_to_all"  # argument i of every list goes to rank i; the result is the list of rank results
+    )
     DP_COMPUTE = "dp_compute"  # Batch arguments are split by data-parallel rank; results are concatenated
     RANK_ZERO = "rank_zero"  # like ONE_TO_ALL, but only rank 0's result is returned (e.g. exported weights)
 
@@ -35,7 +37,9 @@ def split_one_to_all(world_size: int, args: tuple, kwargs: dict) -> RankArgs:
 def split_all_to_all(world_size: int, args: tuple, kwargs: dict) -> RankArgs:
     for value in (*args, *kwargs.values()):
         if not isinstance(value, (list, tuple)) or len(value) != world_size:
-            raise ValueError(f"ALL_TO_ALL dispatch needs one list of {world_size} items (one per rank) per argument")
+            raise ValueError(
+                f"ALL_TO_ALL dispatch needs one list of {world_size} items (one per rank) per argument"
+            )
     return [
         (tuple(a[rank] for a in args), {k: v[rank] for k, v in kwargs.items()}) for rank in range(world_size)
     ]
@@ -82,7 +86,9 @@ def collect_data_parallel(results: list[Any]) -> Any:
 def mean_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
     """Average each metric over the ranks that reported it."""
     keys = {k for m in per_rank for k in m}
-    return {k: sum(m[k] for m in per_rank if k in m) / sum(1 for m in per_rank if k in m) for k in sorted(keys)}
+    return {
+        k: sum(m[k] for m in per_rank if k in m) / sum(1 for m in per_rank if k in m) for k in sorted(keys)
+    }
 
 
 DISPATCH_MODES: dict[Dispatch, DispatchMode] = {

@@ -9,7 +9,9 @@ from roll.config.common import RayConfig
 
 
 def init_ray(cfg: RayConfig) -> None:
-    """Join ``cfg.address`` (or ``RAY_ADDRESS``) when set, else start a local Ray. No-op if already running."""
+    """Join ``cfg.address`` (or ``RAY_ADDRESS``) when set, else start a local Ray.
+
+    A no-op when Ray is already running in this process."""
     import ray
 
     if ray.is_initialized():

@@ -1,4 +1,6 @@
-"""``Worker``: one rank of a role, living in its own Ray actor. ``@register`` marks the methods a Cluster exposes."""
+"""``Worker``: one rank of a role, living in its own Ray actor.
+
+``@register`` marks the methods a Cluster exposes."""
 
 from __future__ import annotations
 

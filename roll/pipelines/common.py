@@ -42,11 +42,17 @@ class PromptSet:
 def render_prompt(tokenizer: Any, prompt: str, apply_chat_template: bool) -> str:
     if not apply_chat_template:
         return prompt
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
 
 
 def load_prompts(
-    path: str, tokenizer: Any, prompt_key: str, apply_chat_template: bool, max_prompt_length: int,
+    path: str,
+    tokenizer: Any,
+    prompt_key: str,
+    apply_chat_template: bool,
+    max_prompt_length: int,
     required_keys: tuple[str, ...] = (),
 ) -> PromptSet:
     """Read a JSONL file and tokenise every prompt; too-long prompts are an error naming file and line."""
@@ -67,13 +73,21 @@ def prompt_batch(prompts: PromptSet, indices: list[int], pad_id: int) -> Batch:
     ids, mask = left_pad([prompts.token_ids[i] for i in indices], pad_id)
     return Batch(
         tensors={"prompt_ids": ids, "prompt_mask": mask},
-        non_tensors={"prompt_text": [prompts.texts[i] for i in indices], "sample": [prompts.rows[i] for i in indices]},
+        non_tensors={
+            "prompt_text": [prompts.texts[i] for i in indices],
+            "sample": [prompts.rows[i] for i in indices],
+        },
     )
 
 
-def response_tensors(tokenizer: Any, responses: list[str], length: int | None = None) -> dict[str, torch.Tensor]:
+def response_tensors(
+    tokenizer: Any, responses: list[str], length: int | None = None
+) -> dict[str, torch.Tensor]:
     """Target responses followed by EOS, right-padded: what the model should emit (SFT)."""
-    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in responses]
+    ids = [
+        tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        for text in responses
+    ]
     response_ids, response_mask = right_pad(ids, tokenizer.pad_token_id, length)
     return {"response_ids": response_ids, "response_mask": response_mask}
 
@@ -83,8 +97,14 @@ ScoreFn = Callable[[Batch], torch.Tensor]
 
 
 def evaluate(
-    prompts: PromptSet, generate: GenerateFn, score: ScoreFn, params: SamplingParams, batch_size: int,
-    pad_id: int, max_prompts: int | None = None, divisor: int = 1,
+    prompts: PromptSet,
+    generate: GenerateFn,
+    score: ScoreFn,
+    params: SamplingParams,
+    batch_size: int,
+    pad_id: int,
+    max_prompts: int | None = None,
+    divisor: int = 1,
 ) -> dict[str, float]:
     """Greedy decoding on held-out prompts: mean reward as ``eval/score`` plus response length."""
     count = min(len(prompts), max_prompts or len(prompts))
@@ -96,7 +116,10 @@ def evaluate(
         scored = batch.union(generated)
         scores.append(score(scored))
         lengths.append(generated["response_mask"].sum(dim=1).float())
-    return {"eval/score": torch.cat(scores).mean().item(), "eval/response_length": torch.cat(lengths).mean().item()}
+    return {
+        "eval/score": torch.cat(scores).mean().item(),
+        "eval/response_length": torch.cat(lengths).mean().item(),
+    }
 
 
 class StageTimer:

@@ -48,16 +48,24 @@ class RLVRPipeline:
             data.train_path, self.tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_length
         )
         self.eval_prompts = (
-            load_prompts(data.eval_path, self.tokenizer, data.prompt_key, data.apply_chat_template,
-                         data.max_prompt_length)
-            if data.eval_path else None
+            load_prompts(
+                data.eval_path,
+                self.tokenizer,
+                data.prompt_key,
+                data.apply_chat_template,
+                data.max_prompt_length,
+            )
+            if data.eval_path
+            else None
         )
         self.prompt_order = PromptIterator(
-            list(range(len(self.train_prompts))), config.rollout.rollout_batch_size, seed=config.seed
+            self.train_prompts.rows, config.rollout.rollout_batch_size, seed=config.seed
         )
         rollout = config.rollout
         self.sampling = SamplingParams(
-            max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
+            max_new_tokens=rollout.max_new_tokens,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
             top_k=rollout.top_k,
         )
         self.eval_sampling = self.sampling.as_greedy(config.eval.max_new_tokens)
@@ -74,8 +82,11 @@ class RLVRPipeline:
             seed=cfg.seed,
             model=dataclasses.replace(cfg.model, path=self.model_path, tiny=None),
             data=SFTDataConfig(
-                train_path=cfg.data.train_path, eval_path=cfg.data.eval_path, prompt_key=cfg.data.prompt_key,
-                response_key=cfg.data.response_key, apply_chat_template=cfg.data.apply_chat_template,
+                train_path=cfg.data.train_path,
+                eval_path=cfg.data.eval_path,
+                prompt_key=cfg.data.prompt_key,
+                response_key=cfg.data.response_key,
+                apply_chat_template=cfg.data.apply_chat_template,
                 max_prompt_length=cfg.data.max_prompt_length,
             ),
             train=cfg.sft_warm_start,
@@ -96,8 +107,11 @@ class RLVRPipeline:
         actor_spec = ActorSpec(
             model=model,
             optimizer=OptimizerSpec(
-                lr=cfg.actor.lr, total_steps=cfg.steps * updates_per_step, weight_decay=cfg.actor.weight_decay,
-                warmup_steps=cfg.actor.warmup_steps, lr_scheduler=cfg.actor.lr_scheduler,
+                lr=cfg.actor.lr,
+                total_steps=cfg.steps * updates_per_step,
+                weight_decay=cfg.actor.weight_decay,
+                warmup_steps=cfg.actor.warmup_steps,
+                lr_scheduler=cfg.actor.lr_scheduler,
                 max_grad_norm=cfg.actor.max_grad_norm,
             ),
             micro_batch_size=cfg.actor.micro_batch_size,
@@ -116,7 +130,8 @@ class RLVRPipeline:
         self.reward = Cluster("reward", RewardWorker, cfg.reward_world_size, cfg.reward, timeout)
         self.reference = (
             Cluster("reference", ReferenceWorker, cfg.actor.world_size, _Holder(model), timeout)
-            if cfg.algorithm.kl_coef > 0 else None
+            if cfg.algorithm.kl_coef > 0
+            else None
         )
         master = self.actor.master_address() if cfg.actor.world_size > 1 else (None, None)
         futures = [
@@ -130,8 +145,14 @@ class RLVRPipeline:
     def run(self) -> dict[str, float]:
         """Train for ``config.steps`` steps; returns the final metrics (eval before/after included)."""
         cfg = self.config
-        with Tracker(cfg.output_dir, cfg.run_name, cfg.steps, cfg.tracking.backends, cfg.tracking.log_every,
-                     config=dataclasses.asdict(cfg)) as tracker:
+        with Tracker(
+            cfg.output_dir,
+            cfg.run_name,
+            cfg.steps,
+            cfg.tracking.backends,
+            cfg.tracking.log_every,
+            config=dataclasses.asdict(cfg),
+        ) as tracker:
             results: dict[str, float] = {}
             if self.eval_prompts is not None:
                 before = self.evaluate()
@@ -162,7 +183,7 @@ class RLVRPipeline:
         cfg = self.config
         timer = StageTimer()
         start = time.perf_counter()
-        indices = self.prompt_order.next_batch()
+        indices = self.prompt_order.next_indices()
         batch = prompt_batch(self.train_prompts, indices, self.tokenizer.pad_token_id)
         batch["group_index"] = torch.arange(len(indices))
         batch = batch.repeat(cfg.rollout.num_return_sequences, interleave=True)
@@ -174,11 +195,19 @@ class RLVRPipeline:
         with timer("logprobs"):
             futures = []
             if self.reference is not None:
-                futures.append(("ref_logprobs", self.reference.compute_logprobs(batch, cfg.rollout.temperature,
-                                                                                blocking=False)))
+                futures.append(
+                    (
+                        "ref_logprobs",
+                        self.reference.compute_logprobs(batch, cfg.rollout.temperature, blocking=False),
+                    )
+                )
             if self.needs_old_logprobs:
-                futures.append(("old_logprobs", self.actor.compute_logprobs(batch, cfg.rollout.temperature,
-                                                                            blocking=False)))
+                futures.append(
+                    (
+                        "old_logprobs",
+                        self.actor.compute_logprobs(batch, cfg.rollout.temperature, blocking=False),
+                    )
+                )
             for key, future in futures:
                 batch[key] = future.get()["logprobs"]
         batch["advantages"] = self._advantages(batch, scores)
@@ -212,7 +241,9 @@ class RLVRPipeline:
         token_rewards = torch.zeros_like(mask)
         token_rewards[torch.arange(len(batch)), last] = scores
         estimator = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)
-        params: dict[str, Any] = {"norm_adv_by_std": algo.norm_adv_by_std} if algo.advantage_estimator == "grpo" else {}
+        params: dict[str, Any] = (
+            {"norm_adv_by_std": algo.norm_adv_by_std} if algo.advantage_estimator == "grpo" else {}
+        )
         advantages, _returns = estimator(token_rewards, mask, batch["group_index"], **params)
         return advantages
 

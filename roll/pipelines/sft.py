@@ -37,23 +37,37 @@ class SFTPipeline:
         self.tokenizer = load_tokenizer(self.model_path)
         data = config.data
         self.train_rows = load_prompts(
-            data.train_path, self.tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_length,
+            data.train_path,
+            self.tokenizer,
+            data.prompt_key,
+            data.apply_chat_template,
+            data.max_prompt_length,
             required_keys=(data.response_key,),
         )
         self.eval_prompts = (
-            load_prompts(data.eval_path, self.tokenizer, data.prompt_key, data.apply_chat_template,
-                         data.max_prompt_length)
-            if data.eval_path else None
+            load_prompts(
+                data.eval_path,
+                self.tokenizer,
+                data.prompt_key,
+                data.apply_chat_template,
+                data.max_prompt_length,
+            )
+            if data.eval_path
+            else None
         )
-        self.order = PromptIterator(list(range(len(self.train_rows))), config.train.batch_size, seed=config.seed)
+        self.order = PromptIterator(self.train_rows.rows, config.train.batch_size, seed=config.seed)
         self.eval_sampling = SamplingParams(max_new_tokens=config.eval.max_new_tokens, greedy=True)
         init_ray(config.ray)
         train = config.train
         spec = ActorSpec(
             model=ModelSpec(path=self.model_path, dtype=config.model.dtype, seed=config.seed),
             optimizer=OptimizerSpec(
-                lr=train.lr, total_steps=train.steps, weight_decay=train.weight_decay,
-                warmup_steps=train.warmup_steps, lr_scheduler=train.lr_scheduler, max_grad_norm=train.max_grad_norm,
+                lr=train.lr,
+                total_steps=train.steps,
+                weight_decay=train.weight_decay,
+                warmup_steps=train.warmup_steps,
+                lr_scheduler=train.lr_scheduler,
+                max_grad_norm=train.max_grad_norm,
             ),
             micro_batch_size=train.micro_batch_size,
             collective_timeout_s=config.ray.call_timeout_s,
@@ -65,19 +79,29 @@ class SFTPipeline:
     def run(self) -> str:
         """Train, evaluate, save; returns the path of the fine-tuned model (Hugging Face format)."""
         cfg = self.config
-        with Tracker(cfg.output_dir, cfg.run_name, cfg.train.steps, cfg.tracking.backends, cfg.tracking.log_every,
-                     config=dataclasses.asdict(cfg)) as tracker:
+        with Tracker(
+            cfg.output_dir,
+            cfg.run_name,
+            cfg.train.steps,
+            cfg.tracking.backends,
+            cfg.tracking.log_every,
+            config=dataclasses.asdict(cfg),
+        ) as tracker:
             if self.eval_prompts is not None:
                 before = self.evaluate()
                 tracker.log(0, before)
             metrics: dict[str, float] = {}
             for step in range(1, cfg.train.steps + 1):
                 start = time.perf_counter()
-                metrics = {f"sft/{k}": v for k, v in self.actor.sft_step(self.batch(self.order.next_batch())).items()}
+                metrics = {
+                    f"sft/{k}": v
+                    for k, v in self.actor.sft_step(self.batch(self.order.next_indices())).items()
+                }
                 metrics["time/step_s"] = time.perf_counter() - start
                 last = step == cfg.train.steps
-                if self.eval_prompts is not None and ((cfg.eval.every_steps and step % cfg.eval.every_steps == 0)
-                                                      or last):
+                if self.eval_prompts is not None and (
+                    (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or last
+                ):
                     metrics.update(self.evaluate())
                 tracker.log(step, metrics)
             if self.eval_prompts is not None:
@@ -108,7 +132,11 @@ class SFTPipeline:
         )
 
     def score(self, batch: Batch) -> torch.Tensor:
-        return torch.tensor([
-            score_response(self.config.reward, prompt, response, sample).score
-            for prompt, response, sample in zip(batch["prompt_text"], batch["response_text"], batch["sample"])
-        ])
+        return torch.tensor(
+            [
+                score_response(self.config.reward, prompt, response, sample).score
+                for prompt, response, sample in zip(
+                    batch["prompt_text"], batch["response_text"], batch["sample"]
+                )
+            ]
+        )

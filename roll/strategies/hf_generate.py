@@ -10,7 +10,9 @@ from roll.strategies.sampling import SamplingParams
 
 
 @torch.inference_mode()
-def generate(model: torch.nn.Module, batch: Batch, params: SamplingParams, eos_id: int, pad_id: int, tokenizer=None) -> Batch:
+def generate(
+    model: torch.nn.Module, batch: Batch, params: SamplingParams, eos_id: int, pad_id: int, tokenizer=None
+) -> Batch:
     """Sample one response per row of ``batch`` (``prompt_ids``/``prompt_mask`` left-padded).
 
     Returns a Batch with ``response_ids``/``response_mask`` [B, max_new_tokens] (right-padded, the EOS
@@ -23,7 +25,12 @@ def generate(model: torch.nn.Module, batch: Batch, params: SamplingParams, eos_i
     sampling = (
         {"do_sample": False}
         if params.greedy
-        else {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or None}
+        else {
+            "do_sample": True,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k or None,
+        }
     )
     out = model.generate(
         input_ids=prompt_ids,
@@ -49,7 +56,9 @@ def generate(model: torch.nn.Module, batch: Batch, params: SamplingParams, eos_i
 
     size, length = new_tokens.shape
     response_ids = torch.full((size, params.max_new_tokens), pad_id, dtype=torch.long)
-    response_ids[:, :length] = torch.where(response_mask.bool(), new_tokens, torch.full_like(new_tokens, pad_id))
+    response_ids[:, :length] = torch.where(
+        response_mask.bool(), new_tokens, torch.full_like(new_tokens, pad_id)
+    )
     mask = torch.zeros((size, params.max_new_tokens), dtype=torch.long)
     mask[:, :length] = response_mask
     rollout_logprobs = torch.zeros((size, params.max_new_tokens), dtype=torch.float32)

@@ -103,41 +103,50 @@ class ActorWorker(ModelWorker):
         detached (exact when each batch gets a single optimizer step, and saves a forward pass), and
         ``ref_logprobs`` when ``kl_coef > 0``.
         """
+        spec: ActorSpec = self.config
+        mini_size = (spec.mini_batch_size or len(batch) * self.world_size) // self.world_size
+        metrics: list[dict[str, float]] = []
+        for _ in range(spec.ppo_epochs):
+            for mini in batch.split(mini_size):
+                denominator = self._global_denominator(mini, spec.algorithm.loss_agg_mode)
+                step_metrics: dict[str, float] = {}
+                for micro in mini.split(spec.micro_batch_size):
+                    loss, loss_metrics = self._policy_loss(micro.to(self.device), denominator)
+                    loss.backward()
+                    _accumulate(step_metrics, loss_metrics)
+                values = self._sum_loss_terms_across_ranks(_step_values(step_metrics))
+                metrics.append({**values, **self._optimizer_step()})
+        return _average(metrics)
+
+    def _policy_loss(self, micro: Batch, denominator: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """Policy loss of one micro-batch (plus entropy bonus and KL penalty when configured)."""
         from roll.algorithms import POLICY_LOSSES
         from roll.algorithms.losses import entropy_loss, kl_penalty_loss
 
         spec: ActorSpec = self.config
         algo = spec.algorithm
-        policy_loss = POLICY_LOSSES.get(algo.policy_loss)
-        mini_size = (spec.mini_batch_size or len(batch) * self.world_size) // self.world_size
-        metrics: list[dict[str, float]] = []
-        for _ in range(spec.ppo_epochs):
-            for mini in batch.split(mini_size):
-                denominator = self._global_denominator(mini, algo.loss_agg_mode)
-                step_metrics: dict[str, float] = {}
-                for micro in mini.split(spec.micro_batch_size):
-                    micro = micro.to(self.device)
-                    mask = micro["response_mask"].float()
-                    logprobs, entropy = response_logprobs(self.model, micro, spec.temperature, with_entropy=True)
-                    old = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
-                    loss, loss_metrics = policy_loss(
-                        logprobs, old, micro["advantages"], mask,
-                        clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
-                        loss_agg_mode=algo.loss_agg_mode, denominator=denominator,
-                    )
-                    agg = {"loss_agg_mode": algo.loss_agg_mode, "denominator": denominator}
-                    entropy_term = entropy_loss(entropy.detach() if algo.entropy_coef == 0 else entropy, mask, **agg)
-                    if algo.entropy_coef:
-                        loss = loss - algo.entropy_coef * entropy_term
-                    if algo.kl_coef:
-                        kl = kl_penalty_loss(logprobs, micro["ref_logprobs"], mask, estimator=algo.kl_estimator, **agg)
-                        loss = loss + algo.kl_coef * kl
-                        _accumulate(step_metrics, {"kl": kl.item()})
-                    loss.backward()
-                    _accumulate(step_metrics, {**loss_metrics, "entropy": entropy_term.item(), "pg_loss": loss.item()})
-                step_metrics.update(self._optimizer_step())
-                metrics.append(step_metrics)
-        return _average(metrics)
+        mask = micro["response_mask"].float()
+        logprobs, entropy = response_logprobs(self.model, micro, spec.temperature, with_entropy=True)
+        old = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
+        agg = {"loss_agg_mode": algo.loss_agg_mode, "denominator": denominator}
+        loss, metrics = POLICY_LOSSES.get(algo.policy_loss)(
+            logprobs,
+            old,
+            micro["advantages"],
+            mask,
+            clip_ratio_low=algo.clip_ratio_low,
+            clip_ratio_high=algo.clip_ratio_high,
+            **agg,
+        )
+        # Entropy is always reported; it only carries a gradient when it is part of the loss.
+        entropy_term = entropy_loss(entropy if algo.entropy_coef else entropy.detach(), mask, **agg)
+        if algo.entropy_coef:
+            loss = loss - algo.entropy_coef * entropy_term
+        if algo.kl_coef:
+            kl = kl_penalty_loss(logprobs, micro["ref_logprobs"], mask, estimator=algo.kl_estimator, **agg)
+            loss = loss + algo.kl_coef * kl
+            metrics["kl"] = kl.item()
+        return loss, {**metrics, "entropy": entropy_term.item(), "loss": loss.item()}
 
     # ---------------------------------------------------------------- SFT
     @register(Dispatch.DP_COMPUTE)
@@ -152,9 +161,7 @@ class ActorWorker(ModelWorker):
             loss = -(logprobs * micro["response_mask"]).sum() / denominator
             loss.backward()
             total_loss += loss.item()
-        metrics = {"loss": total_loss}
-        metrics.update(self._optimizer_step())
-        return metrics
+        return {**self._sum_loss_terms_across_ranks({"loss": total_loss}), **self._optimizer_step()}
 
     # ---------------------------------------------------------------- shared
     def _global_denominator(self, batch: Batch, loss_agg_mode: str) -> float:
@@ -165,6 +172,15 @@ class ActorWorker(ModelWorker):
         total = torch.tensor([local], dtype=torch.float64)
         dist.all_reduce(total)
         return max(float(total.item()), 1.0)
+
+    def _sum_loss_terms_across_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        """Each rank holds its share of a globally normalised loss; report the whole on every rank."""
+        keys = [k for k in _SUMMED_OVER_MICRO_BATCHES if k in values]
+        if self.world_size == 1 or not keys:
+            return values
+        shares = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(shares)
+        return {**values, **dict(zip(keys, shares.tolist()))}
 
     def _optimizer_step(self) -> dict[str, float]:
         spec: ActorSpec = self.config
@@ -187,7 +203,12 @@ class ActorWorker(ModelWorker):
         self.model.eval()
         try:
             return generate(
-                self.model, batch, params, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, self.tokenizer
+                self.model,
+                batch,
+                params,
+                self.tokenizer.eos_token_id,
+                self.tokenizer.pad_token_id,
+                self.tokenizer,
             )
         finally:
             self.model.train()
@@ -219,25 +240,27 @@ class ActorWorker(ModelWorker):
         return str(target)
 
 
+_SUMMED_OVER_MICRO_BATCHES = ("loss", "entropy", "kl")
+
+
 def _accumulate(into: dict[str, float], values: dict[str, Any]) -> None:
-    """Sum per-micro-batch metrics; ``_average`` later divides by the count."""
-    into["_micro_batches"] = into.get("_micro_batches", 0) + (1 if "pg_loss" in values else 0)
+    """Add one micro-batch's metrics to the running sums of its optimizer step."""
+    into["_micro_batches"] = into.get("_micro_batches", 0) + 1
     for k, v in values.items():
         into[k] = into.get(k, 0.0) + float(v)
 
 
+def _step_values(sums: dict[str, float]) -> dict[str, float]:
+    """One optimizer step's metrics from its micro-batch sums: loss terms were already divided by the
+    mini-batch's global denominator, so their sum is the step's value; the rest are averaged."""
+    count = sums.pop("_micro_batches", 1)
+    return {k: v if k in _SUMMED_OVER_MICRO_BATCHES else v / count for k, v in sums.items()}
+
+
 def _average(per_update: list[dict[str, float]]) -> dict[str, float]:
-    keys = {k for m in per_update for k in m if k != "_micro_batches"}
-    out = {}
-    for k in keys:
-        if k in ("grad_norm", "lr"):
-            out[k] = sum(m[k] for m in per_update) / len(per_update)
-        elif k in ("pg_loss", "entropy", "kl"):
-            # Loss-like terms were already divided by the global denominator: their sum is the mini-batch value.
-            out[k] = sum(m[k] for m in per_update) / len(per_update)
-        else:
-            out[k] = sum(m[k] / max(m["_micro_batches"], 1) for m in per_update) / len(per_update)
-    return out
+    """Mean over optimizer steps of each step's metric value."""
+    keys = {k for m in per_update for k in m}
+    return {k: sum(m[k] for m in per_update if k in m) / sum(1 for m in per_update if k in m) for k in keys}
 
 
 def _remove_tree(path: Path) -> None:

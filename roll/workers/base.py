@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,8 @@ class ModelSpec:
     path: str
     dtype: str = "float32"
     seed: int = 0
-    # Stages of a step run one after another, so one busy worker may use every core.
+    # CPU threads for torch; unset means every core of the node, since the stages of a step run one
+    # after another and only one worker is busy at a time (Ray would otherwise pin each actor to 1).
     num_threads: int | None = None
 
 
@@ -33,11 +35,14 @@ class ModelWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def setup(self, **_: object) -> None:
+        from transformers.utils import logging as hf_logging
+
         from roll.models.loading import load_causal_lm, load_tokenizer
 
+        # Per-shard progress bars from every worker would bury the training metrics.
+        hf_logging.disable_progress_bar()
         spec: ModelSpec = self.config.model
-        if spec.num_threads:
-            torch.set_num_threads(spec.num_threads)
+        torch.set_num_threads(spec.num_threads or os.cpu_count() or 1)
         torch.manual_seed(spec.seed + self.rank)
         self.device = pick_device()
         self.tokenizer = load_tokenizer(spec.path)

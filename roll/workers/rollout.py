@@ -21,7 +21,12 @@ class RolloutWorker(ModelWorker):
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         """Sample one response per prompt row; see ``roll.strategies.hf_generate.generate``."""
         return generate(
-            self.model, batch, params, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, self.tokenizer
+            self.model,
+            batch,
+            params,
+            self.tokenizer.eos_token_id,
+            self.tokenizer.pad_token_id,
+            self.tokenizer,
         )
 
     @register(Dispatch.ONE_TO_ALL)
@@ -34,7 +39,9 @@ class RolloutWorker(ModelWorker):
         # Tied embeddings may be absent from the sender's dict; anything else missing is a real mismatch.
         missing = [k for k in missing if k not in self._tied_parameter_names()]
         if missing or unexpected:
-            raise ValueError(f"weights do not match the rollout model: missing {missing}, unexpected {unexpected}")
+            raise ValueError(
+                f"weights do not match the rollout model: missing {missing}, unexpected {unexpected}"
+            )
         self.weights_version = version
         return version
 

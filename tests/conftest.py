@@ -1,0 +1,47 @@
+"""Shared fixtures: one local Ray for the whole test session, and the repository root."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    """The repository root (the folder holding ``pyproject.toml``)."""
+    return Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """One local Ray for every test that needs it; starting Ray costs seconds, so it is done once.
+
+    Four logical GPUs are declared on the CPU node so that placement (device maps, placement groups)
+    is tested without real GPUs. If Ray is already running (e.g. started by an outer harness), it is
+    reused and left running.
+
+    Worker classes defined in test modules are pickled by reference (``test_cluster.EchoWorker``), so
+    the worker processes get ``tests/`` on their PYTHONPATH to import them. The variable is set only
+    while Ray starts (its processes inherit it) and restored for the rest of the session.
+    """
+    import ray
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        tests_dir = str(Path(__file__).resolve().parent)
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, saved) if p)
+        try:
+            ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, logging_level=logging.WARNING)
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
+    yield
+    if started_here:
+        ray.shutdown()

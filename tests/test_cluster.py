@@ -1,0 +1,258 @@
+"""Tests for roll.distributed.cluster: Cluster calls over real Ray actors, errors, timeouts, dead ranks.
+
+Workers here are cheap (no models) and every cluster is killed at the end of its test, so actors do not
+pile up on a small machine. Sleeps are short: the timing asserts check that nothing hangs, not speed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import ray
+import torch
+
+from roll.data.batch import Batch
+from roll.distributed.cluster import Cluster, ClusterFuture, WorkerError, WorkerTimeoutError, wait_all
+from roll.distributed.dispatch import Dispatch
+from roll.distributed.worker import Worker, register
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+# ------------------------------------------------------------------ workers (module level: Ray pickles them)
+
+
+class EchoWorker(Worker):
+    """Answers with its rank so every dispatch mode's routing is visible in the result."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def whoami(self, tag: str) -> dict:
+        """Role, rank, world size and the tag this rank received."""
+        return {"role": self.role, "rank": self.rank, "world_size": self.world_size, "tag": tag}
+
+    @register(Dispatch.ALL_TO_ALL)
+    def scale(self, x: int, factor: int) -> tuple[int, int]:
+        return self.rank, x * factor
+
+    @register(Dispatch.DP_COMPUTE)
+    def add_rank(self, batch: Batch, offset: int = 0) -> Batch:
+        """Adds a column holding this rank and one holding ids + offset."""
+        batch["rank"] = torch.full((len(batch),), self.rank)
+        batch["shifted"] = batch["ids"] + offset
+        return batch
+
+    @register(Dispatch.DP_COMPUTE)
+    def metrics(self) -> dict[str, float]:
+        return {"rank": float(self.rank), f"only_rank{self.rank}": 1.0}
+
+    @register(Dispatch.RANK_ZERO)
+    def export(self) -> str:
+        return f"weights from rank {self.rank}"
+
+    @register(Dispatch.ONE_TO_ALL)
+    def timed_sleep(self, seconds: float) -> tuple[float, float]:
+        start = time.time()
+        time.sleep(seconds)
+        return start, time.time()
+
+    def not_registered(self) -> None:
+        """Not exposed on the Cluster."""
+
+
+class FaultyWorker(Worker):
+    """Fails in the ways a real rank fails: an exception, a hang, a dead process."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def fail_on_rank_one(self) -> int:
+        if self.rank == 1:
+            raise ValueError("boom")
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sleep(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def die_on_rank_one(self) -> int:
+        if self.rank == 1:
+            os._exit(1)
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def hang_on_rank_zero_fail_on_rank_one(self, hang_s: float) -> int:
+        if self.rank == 1:
+            raise ValueError("rank 1 gave up")
+        time.sleep(hang_s)
+        return self.rank
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture
+def make_cluster() -> Iterator[Callable[..., Cluster]]:
+    """Build clusters for one test and kill them all when it ends, whatever happened."""
+    clusters: list[Cluster] = []
+
+    def make(role: str, worker_cls: type[Worker], world_size: int = 2, **kwargs) -> Cluster:
+        cluster = Cluster(role, worker_cls, world_size, config=None, **kwargs)
+        clusters.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in clusters:
+        cluster.kill()
+
+
+def make_batch(n: int) -> Batch:
+    return Batch(tensors={"ids": torch.arange(n)}, non_tensors={"text": [f"t{i}" for i in range(n)]})
+
+
+# ------------------------------------------------------------------ dispatch modes over actors
+
+
+def test_one_to_all_returns_one_result_per_rank_in_rank_order(make_cluster):
+    cluster = make_cluster("echo", EchoWorker, world_size=3)
+    assert cluster.whoami("hi") == [
+        {"role": "echo", "rank": rank, "world_size": 3, "tag": "hi"} for rank in range(3)
+    ]
+    pings = cluster.ping()
+    assert [p["rank"] for p in pings] == [0, 1, 2]
+    assert len({p["pid"] for p in pings}) == 3  # one process per rank
+
+
+def test_all_to_all_sends_item_i_to_rank_i(make_cluster):
+    cluster = make_cluster("echo", EchoWorker)
+    assert cluster.scale([1, 2], factor=[10, 100]) == [(0, 10), (1, 200)]
+    with pytest.raises(ValueError, match="one list of 2 items"):
+        cluster.scale([1, 2, 3], factor=[1, 1, 1])
+
+
+def test_dp_compute_splits_the_batch_and_concatenates_results_in_order(make_cluster):
+    cluster = make_cluster("echo", EchoWorker)
+    result = cluster.add_rank(make_batch(6), offset=100)
+    assert isinstance(result, Batch)
+    assert result["ids"].tolist() == [0, 1, 2, 3, 4, 5]
+    assert result["rank"].tolist() == [0, 0, 0, 1, 1, 1]
+    assert result["shifted"].tolist() == [100, 101, 102, 103, 104, 105]  # non-Batch args reach every rank
+    assert result["text"] == [f"t{i}" for i in range(6)]
+    assert cluster.metrics() == {"rank": 0.5, "only_rank0": 1.0, "only_rank1": 1.0}
+    with pytest.raises(ValueError, match="cannot be split evenly"):
+        cluster.add_rank(make_batch(5))
+
+
+def test_rank_zero_returns_only_rank_zeros_result(make_cluster):
+    cluster = make_cluster("echo", EchoWorker)
+    assert cluster.export() == "weights from rank 0"
+
+
+# ------------------------------------------------------------------ futures
+
+
+def test_non_blocking_call_returns_a_future_with_the_same_result(make_cluster):
+    cluster = make_cluster("echo", EchoWorker)
+    future = cluster.whoami("x", blocking=False)
+    assert isinstance(future, ClusterFuture)
+    assert future.get() == cluster.whoami("x")
+
+
+def test_calls_on_two_clusters_run_concurrently(make_cluster):
+    first = make_cluster("first", EchoWorker, world_size=1)
+    second = make_cluster("second", EchoWorker, world_size=1)
+    wait_all(first.ping(blocking=False), second.ping(blocking=False))  # both actors up before timing
+    [(start_a, end_a)], [(start_b, end_b)] = wait_all(
+        first.timed_sleep(1.0, blocking=False), second.timed_sleep(1.0, blocking=False)
+    )
+    # Overlapping intervals prove concurrency without depending on how busy the machine is.
+    assert max(start_a, start_b) < min(end_a, end_b)
+
+
+# ------------------------------------------------------------------ failures surface with role and rank
+
+
+def test_exception_on_one_rank_names_role_rank_method_and_remote_traceback(make_cluster):
+    cluster = make_cluster("faulty", FaultyWorker)
+    with pytest.raises(WorkerError) as info:
+        cluster.fail_on_rank_one()
+    error = info.value
+    message = str(error)
+    assert "faulty" in message
+    assert "rank 1" in message
+    assert "fail_on_rank_one" in message
+    assert "boom" in message
+    # The remote traceback travels with the error: the failing line of the worker's source.
+    assert "test_cluster.py" in message and 'raise ValueError("boom")' in message
+    assert (error.role, error.rank, error.method) == ("faulty", 1, "fail_on_rank_one")
+    assert not isinstance(error, WorkerTimeoutError)
+
+
+def test_call_slower_than_the_timeout_raises_promptly_naming_role_and_rank(make_cluster):
+    cluster = make_cluster("sleepy", FaultyWorker, world_size=1, timeout_s=1)
+    # Starting the actor takes longer than 1 s; wait for it so the timeout measures only the call.
+    ray.get([worker.ping.remote() for worker in cluster.workers], timeout=120)
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeoutError) as info:
+        cluster.sleep(5)
+    elapsed = time.monotonic() - start
+    assert elapsed < 4, f"timeout took {elapsed:.1f} s: the driver waited for the sleep instead of timing out"
+    error = info.value
+    assert isinstance(error, TimeoutError) and isinstance(error, WorkerError)
+    assert "sleepy" in str(error) and "rank 0" in str(error) and "sleep" in str(error)
+    assert (error.role, error.rank) == ("sleepy", 0)
+
+
+def test_dead_worker_process_raises_worker_error_naming_the_rank(make_cluster):
+    cluster = make_cluster("mortal", FaultyWorker)
+    with pytest.raises(WorkerError) as info:
+        cluster.die_on_rank_one()
+    assert info.value.rank == 1
+    assert "mortal rank 1" in str(info.value)
+    assert "died" in str(info.value)
+
+
+def test_rank_that_fails_fast_is_reported_without_waiting_for_a_hanging_rank(make_cluster):
+    cluster = make_cluster("mixed", FaultyWorker, timeout_s=60)
+    cluster.ping()
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        cluster.hang_on_rank_zero_fail_on_rank_one(6)
+    elapsed = time.monotonic() - start
+    assert elapsed < 4, f"the failing rank was reported after {elapsed:.1f} s, i.e. after the hanging one"
+    assert info.value.rank == 1
+    assert "rank 1 gave up" in str(info.value)
+    assert not isinstance(info.value, WorkerTimeoutError)
+
+
+# ------------------------------------------------------------------ lifecycle and introspection
+
+
+def test_kill_ends_the_actors(make_cluster):
+    cluster = make_cluster("short_lived", EchoWorker)
+    assert [p["rank"] for p in cluster.ping()] == [0, 1]
+    cluster.kill()
+    with pytest.raises(WorkerError, match="short_lived rank"):
+        cluster.ping()
+    cluster.kill()  # killing twice (here and in the fixture) is harmless
+
+
+def test_repr_and_help_describe_the_registered_methods(make_cluster):
+    cluster = make_cluster("echo", EchoWorker, world_size=1)
+    text = repr(cluster)
+    assert "echo" in text and "world_size=1" in text
+    for name in ("add_rank", "export", "metrics", "ping", "scale", "setup", "whoami"):
+        assert f"'{name}'" in text
+    assert "not_registered" not in text
+    assert not hasattr(cluster, "not_registered")
+    # The caller carries the worker class's own docstring and signature (without self), plus `blocking`.
+    assert cluster.whoami.__name__ == "whoami"
+    assert "Role, rank, world size and the tag" in cluster.whoami.__doc__
+    assert "Adds a column holding this rank" in cluster.add_rank.__doc__
+    assert "Load models and state" in cluster.setup.__doc__  # inherited from Worker
+    signature = inspect.signature(cluster.add_rank)
+    assert list(signature.parameters) == ["batch", "offset", "blocking"]
+    assert signature.parameters["blocking"].kind is inspect.Parameter.KEYWORD_ONLY

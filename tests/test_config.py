@@ -1,0 +1,525 @@
+"""Config loading: YAML + dotted overrides, strict keys and types, cross-field checks, docs, round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
+import typing
+from pathlib import Path
+
+import pytest
+
+from roll.config import (
+    PIPELINE_CONFIGS,
+    ConfigError,
+    RLVRConfig,
+    SFTConfig,
+    TinyModelConfig,
+    load_config,
+    to_yaml,
+)
+from roll.config.fields import field_docs
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = "examples/quickstart.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _at_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Config paths (examples/data/...) are relative to the working directory: run from the repo root."""
+    monkeypatch.chdir(REPO_ROOT)
+
+
+def load_error(overrides: list[str], path: str = QUICKSTART) -> str:
+    """The ConfigError message for loading ``path`` with ``overrides`` (fails the test if it loads)."""
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+def fake_model_dir(root: Path) -> Path:
+    """A directory that passes the cheap model-path check (config, weights and tokenizer files exist)."""
+    model = root / "hf_model"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (model / name).write_text("{}")
+    return model
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+# --------------------------------------------------------------------------- loading and overrides
+
+
+def test_quickstart_loads_with_expected_values() -> None:
+    cfg = load_config(QUICKSTART)
+    assert isinstance(cfg, RLVRConfig)
+    assert cfg.pipeline == "rlvr"
+    assert cfg.run_name == "quickstart"
+    assert cfg.output_dir == "runs/quickstart"
+    assert cfg.steps == 300
+    assert isinstance(cfg.model.tiny, TinyModelConfig)
+    assert cfg.model.path is None
+    assert cfg.model.tiny.alphabet == "0123456789+"
+    assert cfg.model.tiny.max_position_embeddings == 32
+    assert cfg.model.tiny.seed == 0  # default filled in
+    assert cfg.data.train_path == "examples/data/addition/train.jsonl"
+    assert cfg.data.max_prompt_length == 10
+    assert cfg.sft_warm_start is not None
+    assert cfg.sft_warm_start.lr == pytest.approx(1e-3)
+    assert cfg.sft_warm_start.steps == 300
+    assert cfg.rollout.rollout_batch_size == 16
+    assert cfg.rollout.num_return_sequences == 8
+    assert cfg.rollout.max_new_tokens == 4
+    assert cfg.actor.lr == pytest.approx(1e-4)
+    assert isinstance(cfg.actor.lr, float)
+    assert cfg.actor.lr_scheduler == "constant"
+    assert cfg.actor.mini_batch_size is None
+    assert cfg.algorithm.advantage_estimator == "grpo"
+    assert cfg.algorithm.policy_loss == "ppo_clip"
+    assert cfg.reward == "exact_match"
+    assert cfg.eval.every_steps == 50
+    assert cfg.tracking.backends == ["console", "jsonl", "tensorboard"]
+
+
+def test_dotted_overrides_change_values() -> None:
+    cfg = load_config(
+        QUICKSTART,
+        [
+            "actor.lr=1e-5",
+            "rollout.num_return_sequences=4",
+            "tracking.backends=[jsonl]",
+            "sft_warm_start=null",
+        ],
+    )
+    assert cfg.actor.lr == pytest.approx(1e-5)
+    assert isinstance(cfg.actor.lr, float)
+    assert cfg.rollout.num_return_sequences == 4
+    assert cfg.tracking.backends == ["jsonl"]
+    assert cfg.sft_warm_start is None
+    # Untouched values keep the YAML's.
+    assert cfg.rollout.rollout_batch_size == 16
+
+
+def test_override_model_tiny_null_with_a_model_path(tmp_path: Path) -> None:
+    model = fake_model_dir(tmp_path)
+    cfg = load_config(QUICKSTART, ["model.tiny=null", f"model.path={model}"])
+    assert cfg.model.tiny is None
+    assert cfg.model.path == str(model)
+
+
+def test_override_model_tiny_null_alone_leaves_no_model() -> None:
+    message = load_error(["model.tiny=null"])
+    assert "model.path" in message and "model.tiny" in message
+
+
+def test_override_nested_section_value() -> None:
+    cfg = load_config(QUICKSTART, ["model.tiny.hidden_size=64", "sft_warm_start.batch_size=32"])
+    assert cfg.model.tiny is not None and cfg.model.tiny.hidden_size == 64
+    assert cfg.sft_warm_start is not None and cfg.sft_warm_start.batch_size == 32
+
+
+# --------------------------------------------------------------------------- unknown keys, types, values
+
+
+def test_unknown_nested_key_names_full_key_and_suggests() -> None:
+    message = load_error(["actor.lrr=1e-5"])
+    assert "actor.lrr" in message
+    assert "Did you mean 'lr'" in message
+
+
+def test_unknown_top_level_key_suggests() -> None:
+    message = load_error(["stepz=3"])
+    assert "`stepz`" in message
+    assert "Did you mean 'steps'" in message
+
+
+def test_unknown_top_level_key_without_near_miss_lists_known_keys() -> None:
+    message = load_error(["zzzzzz=1"])
+    assert "zzzzzz" in message
+    assert "Known keys:" in message
+    assert "rollout" in message and "actor" in message
+
+
+def test_unknown_key_in_yaml_file(tmp_path: Path) -> None:
+    text = (REPO_ROOT / QUICKSTART).read_text().replace("  kl_coef: 0.0", "  kl_coeff: 0.0")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    message = load_error([], path=str(bad))
+    assert "algorithm.kl_coeff" in message
+    assert "Did you mean 'kl_coef'" in message
+
+
+def test_wrong_type_names_key_and_expected_type() -> None:
+    message = load_error(["actor.lr=abc"])
+    assert "actor.lr" in message
+    assert "'abc'" in message
+    assert "Float" in message
+
+
+def test_wrong_int_type() -> None:
+    message = load_error(["rollout.num_return_sequences=many"])
+    assert "rollout.num_return_sequences" in message
+    assert "Integer" in message
+
+
+def test_literal_violation_lists_allowed_values() -> None:
+    message = load_error(["actor.lr_scheduler=cosin"])
+    assert "actor.lr_scheduler" in message
+    assert "cosin" in message
+    for allowed in ("constant", "linear", "cosine"):
+        assert f"'{allowed}'" in message
+
+
+def test_scalar_where_section_belongs_does_not_name_none() -> None:
+    message = load_error(["actor=3"])
+    assert "`None`" not in message
+    assert "ActorConfig" in message
+
+
+def test_missing_required_key(tmp_path: Path) -> None:
+    cfg_path = tmp_path / "no_train_path.yaml"
+    cfg_path.write_text(
+        textwrap.dedent(
+            """\
+            pipeline: rlvr
+            model:
+              tiny: {}
+            data:
+              max_prompt_length: 10
+            eval:
+              every_steps: 0
+            """
+        )
+    )
+    message = load_error([], path=str(cfg_path))
+    assert "data.train_path" in message
+    assert "required" in message
+
+
+def test_bad_override_syntax_is_rejected() -> None:
+    message = load_error(["actor.lr"])
+    assert "actor.lr" in message
+    assert "key=value" in message
+
+
+def test_override_with_empty_key_is_rejected() -> None:
+    assert "key=value" in load_error(["=3"])
+
+
+def test_missing_config_file() -> None:
+    message = load_error([], path="does/not/exist.yaml")
+    assert "does/not/exist.yaml" in message and "does not exist" in message
+
+
+def test_config_without_pipeline_lists_pipelines(tmp_path: Path) -> None:
+    cfg_path = tmp_path / "no_pipeline.yaml"
+    cfg_path.write_text("steps: 3\n")
+    message = load_error([], path=str(cfg_path))
+    assert "pipeline" in message and "rlvr" in message and "sft" in message
+
+
+# --------------------------------------------------------------------------- cross-field checks
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["rollout.world_size=3"],
+            ["rollout.rollout_batch_size (16)", "divisible by rollout.world_size (3)"],
+        ),
+        (
+            # 16 prompts x 8 samples = 128 samples, which 12 divides into neither groups nor the batch.
+            ["actor.mini_batch_size=12"],
+            ["actor.mini_batch_size (12)", "multiple of rollout.num_return_sequences (8)"],
+        ),
+        (
+            ["actor.world_size=3"],
+            ["the mini-batch (128 samples)", "actor.world_size (3)"],
+        ),
+        (
+            ["actor.mini_batch_size=64", "actor.world_size=3"],
+            ["mini-batch (64 samples)", "actor.world_size (3)"],
+        ),
+        (
+            ["rollout.num_return_sequences=1"],
+            ["advantage_estimator=grpo", "rollout.num_return_sequences >= 2"],
+        ),
+        (
+            ["model.tiny=null"],
+            ["set model.path", "model.tiny"],
+        ),
+        (
+            ["model.tiny=null", "model.path=/definitely/not/a/model_dir"],
+            ["model.path", "/definitely/not/a/model_dir", "does not exist"],
+        ),
+        (
+            ["data.train_path=examples/data/addition/missing.jsonl"],
+            ["data.train_path", "missing.jsonl", "does not exist"],
+        ),
+        (
+            ["algorithm.policy_loss=ppo_clipp"],
+            ["algorithm.policy_loss", "ppo_clipp", "Did you mean 'ppo_clip'"],
+        ),
+        (
+            ["reward=exact_matc"],
+            ["reward", "exact_matc", "Did you mean 'exact_match'"],
+        ),
+        (
+            ["algorithm.kl_estimator=k33"],
+            ["algorithm.kl_estimator", "k33", "k3"],
+        ),
+        (
+            ["data.max_prompt_length=40"],
+            ["= 44 exceeds", "model.tiny.max_position_embeddings (32)"],
+        ),
+        (
+            ["eval.max_new_tokens=30"],
+            ["= 40 exceeds", "model.tiny.max_position_embeddings (32)"],
+        ),
+        (
+            ["data.eval_path=null", "eval.every_steps=5"],
+            ["eval.every_steps > 0 needs data.eval_path", "eval.every_steps=0"],
+        ),
+        (
+            ["actor.lr=0"],
+            ["actor.lr must be > 0"],
+        ),
+        (
+            ["sft_warm_start.batch_size=10", "sft_warm_start.world_size=3"],
+            ["sft_warm_start.batch_size (10)", "sft_warm_start.world_size (3)"],
+        ),
+    ],
+    ids=[
+        "rollout_batch_vs_rollout_world",
+        "mini_batch_vs_group",
+        "mini_batch_vs_actor_world",
+        "explicit_mini_batch_vs_actor_world",
+        "grpo_group_of_one",
+        "no_model",
+        "missing_model_dir",
+        "missing_train_file",
+        "unknown_policy_loss",
+        "unknown_reward",
+        "unknown_kl_estimator",
+        "prompt_too_long",
+        "eval_answer_too_long",
+        "eval_without_eval_path",
+        "nonpositive_lr",
+        "sft_batch_vs_world",
+    ],
+)
+def test_impossible_combination_is_rejected(overrides: list[str], expected: list[str]) -> None:
+    message = load_error(overrides)
+    assert "invalid config" in message
+    for fragment in expected:
+        assert fragment in message, f"{fragment!r} not in:\n{message}"
+
+
+def test_only_the_real_problem_is_reported() -> None:
+    message = load_error(["rollout.world_size=3"])
+    problems = [line for line in message.splitlines() if line.startswith("  - ")]
+    assert len(problems) == 1
+
+
+def test_valid_combinations_pass() -> None:
+    cfg = load_config(
+        QUICKSTART,
+        ["rollout.world_size=2", "actor.world_size=2", "actor.mini_batch_size=32", "eval.every_steps=0"],
+    )
+    assert cfg.actor.mini_batch_size == 32
+    cfg = load_config(QUICKSTART, ["data.eval_path=null", "eval.every_steps=0"])
+    assert cfg.data.eval_path is None
+
+
+def test_model_path_skips_tiny_length_check(tmp_path: Path) -> None:
+    model = fake_model_dir(tmp_path)
+    cfg = load_config(QUICKSTART, [f"model.path={model}", "data.max_prompt_length=1000"])
+    assert cfg.data.max_prompt_length == 1000
+
+
+# --------------------------------------------------------------------------- SFT and pipelines
+
+
+def write_sft_config(tmp_path: Path, pipeline: str = "sft", extra: str = "") -> Path:
+    rows = [{"prompt": f"{a}+{a}", "answer": str(2 * a)} for a in range(10)]
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    evals = write_jsonl(tmp_path / "eval.jsonl", rows[:3])
+    cfg_path = tmp_path / "sft.yaml"
+    cfg_path.write_text(
+        textwrap.dedent(
+            f"""\
+            pipeline: {pipeline}
+            run_name: tiny-sft
+            output_dir: {tmp_path / "run"}
+            model:
+              tiny:
+                alphabet: "0123456789+"
+                max_position_embeddings: 32
+            data:
+              train_path: {train}
+              eval_path: {evals}
+              max_prompt_length: 8
+            train:
+              steps: 5
+              batch_size: 4
+              micro_batch_size: 2
+              lr: 1.0e-3
+            eval:
+              every_steps: 2
+              max_new_tokens: 4
+            """
+        )
+        + extra
+    )
+    return cfg_path
+
+
+def test_sft_config_loads_and_validates(tmp_path: Path) -> None:
+    cfg = load_config(write_sft_config(tmp_path))
+    assert isinstance(cfg, SFTConfig)
+    assert cfg.pipeline == "sft"
+    assert cfg.run_name == "tiny-sft"
+    assert cfg.train.steps == 5
+    assert cfg.train.batch_size == 4
+    assert cfg.train.micro_batch_size == 2
+    assert cfg.data.train_path == str(tmp_path / "train.jsonl")
+    assert cfg.model.tiny is not None and cfg.model.tiny.max_position_embeddings == 32
+    assert cfg.eval.every_steps == 2
+
+
+def test_sft_config_rejects_rlvr_sections(tmp_path: Path) -> None:
+    message = load_error(["rollout.world_size=2"], path=str(write_sft_config(tmp_path)))
+    assert "rollout" in message and "SFTConfig" in message
+
+
+def test_sft_config_cross_field_checks(tmp_path: Path) -> None:
+    message = load_error(["train.world_size=3", "reward=exact"], path=str(write_sft_config(tmp_path)))
+    assert "train.batch_size (4) must be divisible by train.world_size (3)" in message
+    assert "Did you mean 'exact_match'" in message
+
+
+def test_unknown_pipeline_lists_pipelines(tmp_path: Path) -> None:
+    message = load_error([], path=str(write_sft_config(tmp_path, pipeline="foo")))
+    assert "foo" in message
+    for name in PIPELINE_CONFIGS.names():
+        assert name in message
+    assert {"rlvr", "sft"} <= set(PIPELINE_CONFIGS.names())
+
+
+def test_pipeline_override_switches_schema() -> None:
+    # The quickstart's RLVR-only keys are unknown to the SFT schema: the switch is checked, not ignored.
+    message = load_error(["pipeline=sft"])
+    assert "SFTConfig" in message
+
+
+# --------------------------------------------------------------------------- docs and YAML round trip
+
+
+@pytest.mark.parametrize("schema", [RLVRConfig, SFTConfig])
+def test_every_field_has_help_text(schema: type) -> None:
+    docs = field_docs(schema)
+    assert len(docs) > 20
+    # Nested sections are walked: a few known dotted names must be present.
+    assert "model.tiny.hidden_size" in docs
+    assert "tracking.backends" in docs
+    empty = [name for name, doc in docs.items() if not doc.strip()]
+    assert empty == []
+
+
+def all_field_names(cls: type, prefix: str = "") -> set[str]:
+    """Every dotted field name of a config dataclass, found independently of ``field_docs``."""
+    hints = typing.get_type_hints(cls)
+    names: set[str] = set()
+    for f in dataclasses.fields(cls):
+        names.add(prefix + f.name)
+        for candidate in (hints[f.name], *typing.get_args(hints[f.name])):
+            if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
+                names |= all_field_names(candidate, f"{prefix}{f.name}.")
+    return names
+
+
+@pytest.mark.parametrize("schema", [RLVRConfig, SFTConfig])
+def test_field_docs_covers_every_field_recursively(schema: type) -> None:
+    docs = field_docs(schema)
+    assert set(docs) == all_field_names(schema)
+    # Optional sections (``X | None``) are walked too.
+    assert "model.tiny.alphabet" in docs
+    if schema is RLVRConfig:
+        assert "sft_warm_start.lr" in docs
+
+
+def test_to_yaml_round_trips(tmp_path: Path) -> None:
+    cfg = load_config(QUICKSTART, ["actor.lr=2e-5", "tracking.backends=[jsonl,console]"])
+    text = to_yaml(cfg)
+    assert "pipeline: rlvr" in text
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(text)
+    again = load_config(str(printed))
+    assert again == cfg
+
+
+def test_to_yaml_round_trips_sft_and_defaults(tmp_path: Path) -> None:
+    # The default alphabet has a trailing space and YAML-special characters: it must survive quoting.
+    cfg = load_config(write_sft_config(tmp_path))
+    cfg.model.tiny = TinyModelConfig(max_position_embeddings=32)
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(to_yaml(cfg))
+    again = load_config(str(printed))
+    assert again == cfg
+    assert again.model.tiny is not None and again.model.tiny.alphabet == TinyModelConfig().alphabet
+
+
+def test_to_yaml_with_docs(tmp_path: Path) -> None:
+    cfg = load_config(QUICKSTART)
+    text = to_yaml(cfg, with_docs=True)
+    docs = field_docs(RLVRConfig)
+    lines = text.splitlines()
+    actor_lr = next(line for line in lines if line.startswith(("  lr: 0.0001 ", "  lr: 1.0e-04 ")))
+    assert actor_lr.endswith(f"# {docs['actor.lr']}")
+    # The warm start's lr gets its own (different) doc, found through the nesting.
+    warm_lr = next(line for line in lines if line.startswith("  lr: 0.001 "))
+    assert warm_lr.endswith(f"# {docs['sft_warm_start.lr']}")
+    assert docs["actor.lr"] != docs["sft_warm_start.lr"]
+    assert f"hidden_size: 128  # {docs['model.tiny.hidden_size']}" in text
+    assert f"steps: 300  # {docs['steps']}" in text
+    # Comments are YAML: the annotated text still loads to the same config.
+    printed = tmp_path / "annotated.yaml"
+    printed.write_text(text)
+    assert load_config(str(printed)) == cfg
+
+
+# --------------------------------------------------------------------------- cheap failures
+
+
+def test_unknown_key_does_not_import_torch_or_ray() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        from roll.config import ConfigError, load_config
+        try:
+            load_config("examples/quickstart.yaml", ["actor.lrr=1e-5"])
+        except ConfigError as e:
+            print("error:", e)
+        try:
+            load_config("examples/quickstart.yaml", ["actor.lr=abc"])
+        except ConfigError as e:
+            print("error:", e)
+        print("torch" in sys.modules, "ray" in sys.modules)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert "Did you mean 'lr'" in lines[0]
+    assert "actor.lr" in lines[1] and "Float" in lines[1]
+    assert lines[-1] == "False False"
