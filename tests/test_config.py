@@ -273,6 +273,10 @@ def test_config_without_pipeline_lists_pipelines(tmp_path: Path) -> None:
             ["reward", "exact_matc", "Did you mean 'exact_match'"],
         ),
         (
+            ["eval_reward=char_mach"],
+            ["eval_reward", "char_mach", "Did you mean 'char_match'"],
+        ),
+        (
             ["algorithm.kl_estimator=k33"],
             ["algorithm.kl_estimator", "k33", "k3"],
         ),
@@ -308,6 +312,7 @@ def test_config_without_pipeline_lists_pipelines(tmp_path: Path) -> None:
         "missing_train_file",
         "unknown_policy_loss",
         "unknown_reward",
+        "unknown_eval_reward",
         "unknown_kl_estimator",
         "prompt_too_long",
         "eval_answer_too_long",

@@ -46,7 +46,7 @@ def test_first_number():
     assert first_number("none") is None
 
 
-@pytest.mark.parametrize("name", ["exact_match", "numeric_match"])
+@pytest.mark.parametrize("name", ["exact_match", "numeric_match", "char_match"])
 def test_missing_answer_names_the_reward_and_the_row_keys(name):
     with pytest.raises(KeyError) as info:
         REWARD_FUNCTIONS.get(name)("p", "1", {"question": "1 + 0?", "solution": "1"})
@@ -98,3 +98,19 @@ def test_reward_output_defaults_are_not_shared():
     first, second = RewardOutput(score=1.0), RewardOutput(score=2.0)
     first.info["x"] = 1
     assert second.info == {} and second.token_rewards is None
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "expected"),
+    [
+        ("152", "152", 1.0),
+        (" 152 ", "152", 1.0),
+        ("153", "152", 2 / 3),  # two of three digits in place
+        ("15", "152", 2 / 3),  # a missing digit counts against the longer string
+        ("1520", "152", 3 / 4),  # so does an extra one
+        ("999", "152", 0.0),
+        ("", "7", 0.0),
+    ],
+)
+def test_char_match_gives_partial_credit(response, answer, expected):
+    assert score_response("char_match", "", response, {"answer": answer}).score == pytest.approx(expected)

@@ -91,6 +91,10 @@ class RLVRConfig:
     actor: ActorConfig = field(default_factory=ActorConfig, metadata={"help": "Policy optimisation."})
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig, metadata={"help": "RL algorithm."})
     reward: str = option("exact_match", help="Reward function (registry name) scoring each response.")
+    eval_reward: str | None = option(
+        None,
+        help="Reward function for eval/score; unset uses `reward` (train on partial credit, eval exact).",
+    )
     reward_world_size: int = option(1, help="Reward workers; responses are split across them.")
     eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "Held-out evaluation."})
     tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"help": "Metric sinks."})

@@ -161,6 +161,8 @@ def validate_rlvr(cfg: RLVRConfig) -> list[str]:
         "algorithm.kl_estimator", algo.kl_estimator, "roll.algorithms", "KL_ESTIMATORS"
     )
     problems += check_registry("reward", cfg.reward, "roll.rewards", "REWARD_FUNCTIONS")
+    if cfg.eval_reward is not None:
+        problems += check_registry("eval_reward", cfg.eval_reward, "roll.rewards", "REWARD_FUNCTIONS")
     problems += check_eval(cfg.eval, cfg.data.eval_path)
     problems += check_sequence_fits(
         cfg.model, cfg.data.max_prompt_length, max(rollout.max_new_tokens, cfg.eval.max_new_tokens)

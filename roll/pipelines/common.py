@@ -22,8 +22,11 @@ def prepare_model(model: ModelConfig, output_dir: str) -> str:
     """Path of the initial model: ``model.path``, or a tiny model built once into the run directory."""
     if model.path is not None:
         return model.path
+    from transformers.utils import logging as hf_logging
+
     from roll.models.tiny import save_tiny_model
 
+    hf_logging.disable_progress_bar()  # one shard of a tiny model needs no progress bar
     return str(save_tiny_model(model.tiny, Path(output_dir) / "tiny_model"))
 
 

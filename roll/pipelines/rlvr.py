@@ -90,7 +90,7 @@ class RLVRPipeline:
                 max_prompt_length=cfg.data.max_prompt_length,
             ),
             train=cfg.sft_warm_start,
-            reward=cfg.reward,
+            reward=cfg.eval_reward or cfg.reward,
             eval=dataclasses.replace(cfg.eval, every_steps=0),
             tracking=cfg.tracking,
             ray=cfg.ray,
@@ -252,7 +252,7 @@ class RLVRPipeline:
         return evaluate(
             self.eval_prompts,
             generate=lambda batch, params: self.rollout.generate(batch, params),
-            score=lambda batch: self.reward.compute_rewards(batch)["scores"],
+            score=lambda batch: self.reward.compute_rewards(batch, self.config.eval_reward)["scores"],
             params=self.eval_sampling,
             batch_size=self.config.eval.batch_size,
             pad_id=self.tokenizer.pad_token_id,

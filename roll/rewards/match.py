@@ -71,3 +71,27 @@ def numeric_match(prompt: str, response: str, sample: dict) -> float:
     if value is None:
         return 0.0
     return 1.0 if math.isclose(value, answer, rel_tol=0.0, abs_tol=_NUMERIC_TOLERANCE) else 0.0
+
+
+@REWARD_FUNCTIONS.register("char_match")
+def char_match(prompt: str, response: str, sample: dict) -> float:
+    """Partial credit: the share of characters that match the answer position by position, over the
+    longer of the two strings; 1.0 exactly when the stripped response equals the answer.
+
+    A denser signal than ``exact_match`` for short answers (digits of a sum): a response with most
+    digits right earns more than one with none, so fewer groups have all-equal rewards.
+
+    Args:
+        prompt: unused.
+        response: generated text.
+        sample: dataset row with an ``answer`` field.
+
+    Returns:
+        A score in [0, 1].
+    """
+    answer = str(_answer(sample, "char_match")).strip()
+    response = response.strip()
+    longest = max(len(answer), len(response))
+    if longest == 0:
+        return 1.0
+    return sum(a == b for a, b in zip(answer, response)) / longest

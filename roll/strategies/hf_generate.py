@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from transformers import GenerationConfig
 
 from roll.algorithms.functional import logprobs_from_logits
 from roll.data.batch import Batch
@@ -22,26 +23,20 @@ def generate(
     """
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = batch["prompt_ids"].to(device), batch["prompt_mask"].to(device)
-    sampling = (
-        {"do_sample": False}
-        if params.greedy
-        else {
-            "do_sample": True,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k or None,
-        }
-    )
-    out = model.generate(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
+    # A fresh GenerationConfig: a model's own defaults (top_k=50, repetition penalty, ...) would silently
+    # change the sampling distribution away from the one the trainer's logprobs describe.
+    config = GenerationConfig(
         max_new_tokens=params.max_new_tokens,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
+        do_sample=not params.greedy,
+        temperature=None if params.greedy else params.temperature,
+        top_p=None if params.greedy else params.top_p,
+        top_k=None if params.greedy else params.top_k,
         output_logits=True,
         return_dict_in_generate=True,
-        **sampling,
     )
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
     new_tokens = out.sequences[:, prompt_ids.shape[1] :].cpu()
     logits = torch.stack(out.logits, dim=1).float().cpu()  # raw logits [B, T, V], before any warper
     if not params.greedy and params.temperature != 1.0:
