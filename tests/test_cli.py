@@ -69,7 +69,7 @@ def test_config_prints_resolved_yaml_with_override() -> None:
     # The printed text is plain YAML with the override applied and defaults filled in.
     data = yaml.safe_load(result.stdout)
     assert data["actor"]["lr"] == pytest.approx(2e-5)
-    assert data["actor"]["lr_scheduler"] == "constant"
+    assert data["actor"]["lr_scheduler"] == "linear"
     assert data["rollout"]["top_p"] == 1.0
     assert data["ray"]["address"] is None
 
@@ -90,7 +90,7 @@ def test_config_docs_annotates_keys() -> None:
     assert result.exit_code == 0, result.output
     docs = field_docs(RLVRConfig)
     assert f"# {docs['actor.lr']}" in result.stdout
-    assert f"steps: 300  # {docs['steps']}" in result.stdout
+    assert f"steps: 3000  # {docs['steps']}" in result.stdout
     assert f"# {docs['rollout.num_return_sequences']}" in result.stdout
     assert f"# {docs['model.tiny.max_position_embeddings']}" in result.stdout
 
@@ -118,7 +118,7 @@ def test_train_invalid_combination_fails_before_ray(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "ray", None)
     result = runner.invoke(app, ["train", QUICKSTART, "rollout.world_size=3"])
     assert result.exit_code == 2, result.output
-    assert "rollout.rollout_batch_size (16) must be divisible by rollout.world_size (3)" in result.stderr
+    assert "rollout.rollout_batch_size (8) must be divisible by rollout.world_size (3)" in result.stderr
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
 

@@ -63,7 +63,7 @@ def test_quickstart_loads_with_expected_values() -> None:
     assert cfg.pipeline == "rlvr"
     assert cfg.run_name == "quickstart"
     assert cfg.output_dir == "runs/quickstart"
-    assert cfg.steps == 300
+    assert cfg.steps == 3000
     assert isinstance(cfg.model.tiny, TinyModelConfig)
     assert cfg.model.path is None
     assert cfg.model.tiny.alphabet == "0123456789+"
@@ -73,18 +73,18 @@ def test_quickstart_loads_with_expected_values() -> None:
     assert cfg.data.max_prompt_length == 10
     assert cfg.sft_warm_start is not None
     assert cfg.sft_warm_start.lr == pytest.approx(1e-3)
-    assert cfg.sft_warm_start.steps == 300
-    assert cfg.rollout.rollout_batch_size == 16
+    assert cfg.sft_warm_start.steps == 250
+    assert cfg.rollout.rollout_batch_size == 8
     assert cfg.rollout.num_return_sequences == 8
     assert cfg.rollout.max_new_tokens == 4
     assert cfg.actor.lr == pytest.approx(1e-4)
     assert isinstance(cfg.actor.lr, float)
-    assert cfg.actor.lr_scheduler == "constant"
+    assert cfg.actor.lr_scheduler == "linear"
     assert cfg.actor.mini_batch_size is None
     assert cfg.algorithm.advantage_estimator == "grpo"
     assert cfg.algorithm.policy_loss == "ppo_clip"
     assert cfg.reward == "exact_match"
-    assert cfg.eval.every_steps == 50
+    assert cfg.eval.every_steps == 250
     assert cfg.tracking.backends == ["console", "jsonl", "tensorboard"]
 
 
@@ -104,7 +104,7 @@ def test_dotted_overrides_change_values() -> None:
     assert cfg.tracking.backends == ["jsonl"]
     assert cfg.sft_warm_start is None
     # Untouched values keep the YAML's.
-    assert cfg.rollout.rollout_batch_size == 16
+    assert cfg.rollout.rollout_batch_size == 8
 
 
 def test_override_model_tiny_null_with_a_model_path(tmp_path: Path) -> None:
@@ -233,20 +233,20 @@ def test_config_without_pipeline_lists_pipelines(tmp_path: Path) -> None:
     [
         (
             ["rollout.world_size=3"],
-            ["rollout.rollout_batch_size (16)", "divisible by rollout.world_size (3)"],
+            ["rollout.rollout_batch_size (8)", "divisible by rollout.world_size (3)"],
         ),
         (
-            # 16 prompts x 8 samples = 128 samples, which 12 divides into neither groups nor the batch.
+            # 8 prompts x 8 samples = 64 samples, which 12 divides into neither groups nor the batch.
             ["actor.mini_batch_size=12"],
             ["actor.mini_batch_size (12)", "multiple of rollout.num_return_sequences (8)"],
         ),
         (
             ["actor.world_size=3"],
-            ["the mini-batch (128 samples)", "actor.world_size (3)"],
+            ["rollout.rollout_batch_size x rollout.num_return_sequences (64)", "actor.world_size (3)"],
         ),
         (
             ["actor.mini_batch_size=64", "actor.world_size=3"],
-            ["mini-batch (64 samples)", "actor.world_size (3)"],
+            ["actor.mini_batch_size (64) must be divisible by actor.world_size (3)"],
         ),
         (
             ["rollout.num_return_sequences=1"],
@@ -494,7 +494,7 @@ def test_to_yaml_with_docs(tmp_path: Path) -> None:
     assert warm_lr.endswith(f"# {docs['sft_warm_start.lr']}")
     assert docs["actor.lr"] != docs["sft_warm_start.lr"]
     assert f"hidden_size: 128  # {docs['model.tiny.hidden_size']}" in text
-    assert f"steps: 300  # {docs['steps']}" in text
+    assert f"steps: 3000  # {docs['steps']}" in text
     # Comments are YAML: the annotated text still loads to the same config.
     printed = tmp_path / "annotated.yaml"
     printed.write_text(text)

@@ -8,7 +8,9 @@ import re
 def readme_commands(repo_root) -> list[str]:
     text = (repo_root / "README.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
-    return [line.strip() for block in blocks for line in block.splitlines() if line.strip().startswith("pip ")]
+    return [
+        line.strip() for block in blocks for line in block.splitlines() if line.strip().startswith("pip ")
+    ]
 
 
 def test_ci_runs_the_readme_commands(repo_root):

@@ -11,6 +11,7 @@ from roll.config.common import TinyModelConfig
 from roll.config.rlvr import AlgorithmConfig
 from roll.data.batch import Batch
 from roll.distributed.cluster import Cluster, WorkerError
+from roll.distributed.weight_sync import sync_weights
 from roll.models.loading import load_tokenizer
 from roll.models.tiny import save_tiny_model
 from roll.pipelines.common import PromptSet, prompt_batch, render_prompt, response_tensors
@@ -100,7 +101,7 @@ def test_weight_transfer_makes_rollout_match_trainer(model_path, prompts):
         trained = actor.compute_logprobs(batch)["logprobs"]
         assert not torch.allclose(trained, before, atol=1e-4), "the train step changed nothing"
 
-        rollout.load_weights(actor.export_weights(blocking=False).refs[0], 1)
+        sync_weights(actor, rollout, version=1)
         torch.testing.assert_close(rollout.compute_logprobs(batch)["logprobs"], trained, atol=1e-5, rtol=1e-5)
         with pytest.raises(WorkerError, match=r"(?s)rollout rank 0.*not newer"):
             rollout.load_weights(actor.export_weights(), 1)

@@ -130,19 +130,21 @@ def validate_rlvr(cfg: RLVRConfig) -> list[str]:
     if problems:
         return problems
     samples = rollout.rollout_batch_size * rollout.num_return_sequences
-    samples_key = f"rollout.rollout_batch_size x rollout.num_return_sequences = {samples} samples; that"
+    samples_key = "rollout.rollout_batch_size x rollout.num_return_sequences"
     problems += check_divides(
         "rollout.world_size", rollout.world_size, "rollout.rollout_batch_size", rollout.rollout_batch_size
     )
-    mini = actor.mini_batch_size or samples
-    if actor.mini_batch_size is not None:
+    if actor.mini_batch_size is None:
+        problems += check_divides("actor.world_size", actor.world_size, samples_key, samples)
+    else:
+        mini = actor.mini_batch_size
         if mini % rollout.num_return_sequences != 0:
             problems.append(
                 f"actor.mini_batch_size ({mini}) must be a multiple of rollout.num_return_sequences "
                 f"({rollout.num_return_sequences}) so every group stays in one update"
             )
         problems += check_divides("actor.mini_batch_size", mini, samples_key, samples)
-    problems += check_divides("actor.world_size", actor.world_size, f"the mini-batch ({mini} samples)", mini)
+        problems += check_divides("actor.world_size", actor.world_size, "actor.mini_batch_size", mini)
     if algo.advantage_estimator == "grpo" and rollout.num_return_sequences < 2:
         problems.append(
             "algorithm.advantage_estimator=grpo compares samples within a group: "

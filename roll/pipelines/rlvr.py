@@ -17,6 +17,7 @@ from roll.data.batch import Batch
 from roll.data.dataset import PromptIterator
 from roll.distributed.cluster import Cluster, wait_all
 from roll.distributed.ray_utils import init_ray
+from roll.distributed.weight_sync import sync_weights
 from roll.models.loading import load_tokenizer
 from roll.pipelines.common import (
     StageTimer,
@@ -214,8 +215,7 @@ class RLVRPipeline:
         with timer("train"):
             train_metrics = self.actor.train_step(batch)
         with timer("sync"):
-            weights = self.actor.export_weights(blocking=False)
-            self.rollout.load_weights(weights.refs[0], step)
+            sync_weights(self.actor, self.rollout, version=step)
 
         step_time = time.perf_counter() - start
         lengths = batch["response_mask"].sum(dim=1).float()
