@@ -151,7 +151,9 @@ class ConsoleBackend(TrackingBackend):
         total = self.context.total_steps
         train_metrics = {k: v for k, v in metrics.items() if not k.startswith(EVAL_PREFIX)}
         # An eval-only call would repeat the previous line; its own eval line below says everything.
-        if self.progress is None and train_metrics:
+        # In a log file about a hundred step lines per run are readable; thousands are not.
+        every = max(1, total // 100)
+        if self.progress is None and train_metrics and (step % every == 0 or step == total):
             summary = self.summary(train_metrics, True)
             self._print(f"step {step}/{total}" + (f" | {summary}" if summary else ""))
         eval_metrics = {k: v for k, v in metrics.items() if k.startswith(EVAL_PREFIX)}

@@ -147,3 +147,21 @@ def test_close_is_idempotent_and_log_after_close_fails(tmp_path: Path) -> None:
 def test_invalid_log_every(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="log_every"):
         Tracker(tmp_path, "demo", total_steps=1, backends=[], log_every=0)
+
+
+def test_console_log_file_gets_about_a_hundred_step_lines_however_long_the_run(tmp_path):
+    out = io.StringIO()
+    with Tracker(
+        tmp_path,
+        "long",
+        total_steps=1000,
+        backends=["console"],
+        console=Console(file=out, force_terminal=False),
+    ) as tracker:
+        for step in range(1, 1001):
+            tracker.log(step, {"reward/mean": 0.5})
+        tracker.log(1000, {"eval/score": 0.25})
+    lines = out.getvalue().splitlines()
+    step_lines = [line for line in lines if line.startswith("step ")]
+    assert len(step_lines) == 100 and step_lines[-1].startswith("step 1000/1000")
+    assert "eval @ step 1000: eval/score=0.25" in lines

@@ -2,24 +2,23 @@
 
 Importing this never imports torch or Ray."""
 
-from roll.config.common import EvalConfig, ModelConfig, RayConfig, TinyModelConfig, TrackingConfig
+from roll.config.common import DataConfig, EvalConfig, ModelConfig, RayConfig, TinyModelConfig, TrackingConfig
 from roll.config.loader import PIPELINE_CONFIGS, ConfigError, load_config, to_yaml, validate
-from roll.config.rlvr import ActorConfig, AlgorithmConfig, RLVRConfig, RLVRDataConfig, RolloutConfig
-from roll.config.sft import SFTConfig, SFTDataConfig, SFTTrainConfig
+from roll.config.rlvr import ActorConfig, AlgorithmConfig, RLVRConfig, RolloutConfig
+from roll.config.sft import SFTConfig, SFTTrainConfig
 
 __all__ = [
     "PIPELINE_CONFIGS",
     "ActorConfig",
     "AlgorithmConfig",
     "ConfigError",
+    "DataConfig",
     "EvalConfig",
     "ModelConfig",
     "RLVRConfig",
-    "RLVRDataConfig",
     "RayConfig",
     "RolloutConfig",
     "SFTConfig",
-    "SFTDataConfig",
     "SFTTrainConfig",
     "TinyModelConfig",
     "TrackingConfig",

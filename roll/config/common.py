@@ -36,6 +36,18 @@ class ModelConfig:
 
 
 @dataclass
+class DataConfig:
+    """JSONL rows, one prompt each; every field of a row also reaches the reward function."""
+
+    train_path: str = option(help="JSONL file of training rows.")
+    eval_path: str | None = option(None, help="JSONL file of held-out rows for greedy evaluation.")
+    prompt_key: str = option("prompt", help="Row field holding the prompt text.")
+    response_key: str = option("answer", help="Row field holding the reference response (the SFT target).")
+    apply_chat_template: bool = option(True, help="Wrap prompts in the tokenizer's chat template.")
+    max_prompt_length: int = option(64, help="Prompts longer than this many tokens are rejected at load.")
+
+
+@dataclass
 class RayConfig:
     """How the single controller reaches Ray."""
 

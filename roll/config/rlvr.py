@@ -5,23 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from roll.config.common import EvalConfig, ModelConfig, RayConfig, TrackingConfig
+from roll.config.common import DataConfig, EvalConfig, ModelConfig, RayConfig, TrackingConfig
 from roll.config.fields import option
 from roll.config.sft import SFTTrainConfig
-
-
-@dataclass
-class RLVRDataConfig:
-    """JSONL prompt rows; every other field of a row reaches the reward function."""
-
-    train_path: str = option(help="JSONL file of training prompts.")
-    eval_path: str | None = option(None, help="JSONL file of held-out prompts for greedy evaluation.")
-    prompt_key: str = option("prompt", help="Row field holding the prompt text.")
-    response_key: str = option(
-        "answer", help="Row field with the reference answer (used by the SFT warm start)."
-    )
-    apply_chat_template: bool = option(True, help="Wrap prompts in the tokenizer's chat template.")
-    max_prompt_length: int = option(64, help="Prompts longer than this many tokens are rejected at load.")
 
 
 @dataclass
@@ -83,7 +69,7 @@ class RLVRConfig:
     seed: int = option(0, help="Seed for data order, sampling and initialisation.")
     steps: int = option(100, help="RL training steps (one rollout batch each).")
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The initial policy."})
-    data: RLVRDataConfig = field(default_factory=RLVRDataConfig, metadata={"help": "Prompt data."})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Prompt data."})
     sft_warm_start: SFTTrainConfig | None = field(
         default=None, metadata={"help": "Run SFT on data.train_path before RL (a weak start learns faster)."}
     )

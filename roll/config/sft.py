@@ -5,20 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from roll.config.common import EvalConfig, ModelConfig, RayConfig, TrackingConfig
+from roll.config.common import DataConfig, EvalConfig, ModelConfig, RayConfig, TrackingConfig
 from roll.config.fields import option
-
-
-@dataclass
-class SFTDataConfig:
-    """JSONL rows with a prompt and a target response."""
-
-    train_path: str = option(help="JSONL file of training rows.")
-    eval_path: str | None = option(None, help="JSONL file of held-out rows scored by greedy decoding.")
-    prompt_key: str = option("prompt", help="Row field holding the prompt text.")
-    response_key: str = option("answer", help="Row field holding the target response text.")
-    apply_chat_template: bool = option(True, help="Wrap prompts in the tokenizer's chat template.")
-    max_prompt_length: int = option(64, help="Prompts longer than this many tokens are rejected at load.")
 
 
 @dataclass
@@ -47,7 +35,7 @@ class SFTConfig:
     output_dir: str = option("runs/sft", help="Run directory: metrics, TensorBoard events, final model.")
     seed: int = option(0, help="Seed for data order, sampling and initialisation.")
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The model to fine-tune."})
-    data: SFTDataConfig = field(default_factory=SFTDataConfig, metadata={"help": "Training and eval data."})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Training and eval data."})
     train: SFTTrainConfig = field(default_factory=SFTTrainConfig, metadata={"help": "Optimisation."})
     reward: str = option("exact_match", help="Reward function that scores greedy eval answers (0-1).")
     eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "Held-out evaluation."})

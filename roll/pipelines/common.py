@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 
-from roll.config.common import ModelConfig
+from roll.config.common import DataConfig, ModelConfig
 from roll.data.batch import Batch
 from roll.data.dataset import DatasetError, load_jsonl
 from roll.data.padding import left_pad, right_pad
+from roll.distributed.cluster import Cluster
 from roll.strategies.sampling import SamplingParams
 
 
@@ -51,24 +52,34 @@ def render_prompt(tokenizer: Any, prompt: str, apply_chat_template: bool) -> str
 
 
 def load_prompts(
-    path: str,
-    tokenizer: Any,
-    prompt_key: str,
-    apply_chat_template: bool,
-    max_prompt_length: int,
-    required_keys: tuple[str, ...] = (),
+    path: str, tokenizer: Any, data: DataConfig, required_keys: tuple[str, ...] = ()
 ) -> PromptSet:
     """Read a JSONL file and tokenise every prompt; too-long prompts are an error naming file and line."""
-    rows = load_jsonl(path, required_keys=(prompt_key, *required_keys))
-    texts = [render_prompt(tokenizer, str(row[prompt_key]), apply_chat_template) for row in rows]
+    rows = load_jsonl(path, required_keys=(data.prompt_key, *required_keys))
+    texts = [render_prompt(tokenizer, str(row[data.prompt_key]), data.apply_chat_template) for row in rows]
     token_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     for index, ids in enumerate(token_ids):
-        if len(ids) > max_prompt_length:
+        if len(ids) > data.max_prompt_length:
             raise DatasetError(
                 f"{path}: row {index + 1} has a {len(ids)}-token prompt, longer than "
-                f"data.max_prompt_length={max_prompt_length}; raise it or shorten the prompt"
+                f"data.max_prompt_length={data.max_prompt_length}; raise it or shorten the prompt"
             )
     return PromptSet(rows, texts, token_ids)
+
+
+def load_datasets(
+    data: DataConfig, tokenizer: Any, required_keys: tuple[str, ...] = ()
+) -> tuple[PromptSet, PromptSet | None]:
+    """The training prompts and, when ``data.eval_path`` is set, the held-out ones."""
+    train = load_prompts(data.train_path, tokenizer, data, required_keys)
+    held_out = load_prompts(data.eval_path, tokenizer, data) if data.eval_path else None
+    return train, held_out
+
+
+def setup_trainer(actor: Cluster, blocking: bool = True) -> Any:
+    """Run the trainer's ``setup`` on every rank; several ranks first agree on rank 0's rendezvous."""
+    master_addr, master_port = actor.master_address() if actor.world_size > 1 else (None, None)
+    return actor.setup(master_addr=master_addr, master_port=master_port, blocking=blocking)
 
 
 def prompt_batch(prompts: PromptSet, indices: list[int], pad_id: int) -> Batch:

@@ -12,7 +12,7 @@ import torch
 
 from roll.algorithms import ADVANTAGE_ESTIMATORS
 from roll.config.rlvr import RLVRConfig
-from roll.config.sft import SFTConfig, SFTDataConfig
+from roll.config.sft import SFTConfig
 from roll.data.batch import Batch
 from roll.data.dataset import PromptIterator
 from roll.distributed.cluster import Cluster, wait_all
@@ -22,9 +22,10 @@ from roll.models.loading import load_tokenizer
 from roll.pipelines.common import (
     StageTimer,
     evaluate,
-    load_prompts,
+    load_datasets,
     prepare_model,
     prompt_batch,
+    setup_trainer,
     write_resolved_config,
 )
 from roll.strategies.sampling import SamplingParams
@@ -44,21 +45,7 @@ class RLVRPipeline:
         if config.sft_warm_start is not None:
             self.model_path = self._warm_start()
         self.tokenizer = load_tokenizer(self.model_path)
-        data = config.data
-        self.train_prompts = load_prompts(
-            data.train_path, self.tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_length
-        )
-        self.eval_prompts = (
-            load_prompts(
-                data.eval_path,
-                self.tokenizer,
-                data.prompt_key,
-                data.apply_chat_template,
-                data.max_prompt_length,
-            )
-            if data.eval_path
-            else None
-        )
+        self.train_prompts, self.eval_prompts = load_datasets(config.data, self.tokenizer)
         self.prompt_order = PromptIterator(
             self.train_prompts.rows, config.rollout.rollout_batch_size, seed=config.seed
         )
@@ -82,14 +69,7 @@ class RLVRPipeline:
             output_dir=str(Path(cfg.output_dir) / "sft"),
             seed=cfg.seed,
             model=dataclasses.replace(cfg.model, path=self.model_path, tiny=None),
-            data=SFTDataConfig(
-                train_path=cfg.data.train_path,
-                eval_path=cfg.data.eval_path,
-                prompt_key=cfg.data.prompt_key,
-                response_key=cfg.data.response_key,
-                apply_chat_template=cfg.data.apply_chat_template,
-                max_prompt_length=cfg.data.max_prompt_length,
-            ),
+            data=cfg.data,
             train=cfg.sft_warm_start,
             reward=cfg.eval_reward or cfg.reward,
             eval=dataclasses.replace(cfg.eval, every_steps=0),
@@ -107,14 +87,7 @@ class RLVRPipeline:
         updates_per_step = cfg.actor.ppo_epochs * (samples // mini_batch)
         actor_spec = ActorSpec(
             model=model,
-            optimizer=OptimizerSpec(
-                lr=cfg.actor.lr,
-                total_steps=cfg.steps * updates_per_step,
-                weight_decay=cfg.actor.weight_decay,
-                warmup_steps=cfg.actor.warmup_steps,
-                lr_scheduler=cfg.actor.lr_scheduler,
-                max_grad_norm=cfg.actor.max_grad_norm,
-            ),
+            optimizer=OptimizerSpec.from_config(cfg.actor, total_steps=cfg.steps * updates_per_step),
             micro_batch_size=cfg.actor.micro_batch_size,
             ppo_epochs=cfg.actor.ppo_epochs,
             mini_batch_size=cfg.actor.mini_batch_size,
@@ -134,9 +107,8 @@ class RLVRPipeline:
             if cfg.algorithm.kl_coef > 0
             else None
         )
-        master = self.actor.master_address() if cfg.actor.world_size > 1 else (None, None)
         futures = [
-            self.actor.setup(master_addr=master[0], master_port=master[1], blocking=False),
+            setup_trainer(self.actor, blocking=False),
             self.rollout.setup(blocking=False),
         ]
         if self.reference is not None:

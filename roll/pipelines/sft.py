@@ -16,10 +16,11 @@ from roll.distributed.ray_utils import init_ray
 from roll.models.loading import load_tokenizer
 from roll.pipelines.common import (
     evaluate,
-    load_prompts,
+    load_datasets,
     prepare_model,
     prompt_batch,
     response_tensors,
+    setup_trainer,
     write_resolved_config,
 )
 from roll.rewards import score_response
@@ -35,25 +36,8 @@ class SFTPipeline:
         write_resolved_config(config, config.output_dir)
         self.model_path = prepare_model(config.model, config.output_dir)
         self.tokenizer = load_tokenizer(self.model_path)
-        data = config.data
-        self.train_rows = load_prompts(
-            data.train_path,
-            self.tokenizer,
-            data.prompt_key,
-            data.apply_chat_template,
-            data.max_prompt_length,
-            required_keys=(data.response_key,),
-        )
-        self.eval_prompts = (
-            load_prompts(
-                data.eval_path,
-                self.tokenizer,
-                data.prompt_key,
-                data.apply_chat_template,
-                data.max_prompt_length,
-            )
-            if data.eval_path
-            else None
+        self.train_rows, self.eval_prompts = load_datasets(
+            config.data, self.tokenizer, required_keys=(config.data.response_key,)
         )
         self.order = PromptIterator(self.train_rows.rows, config.train.batch_size, seed=config.seed)
         self.eval_sampling = SamplingParams(max_new_tokens=config.eval.max_new_tokens, greedy=True)
@@ -61,20 +45,12 @@ class SFTPipeline:
         train = config.train
         spec = ActorSpec(
             model=ModelSpec(path=self.model_path, dtype=config.model.dtype, seed=config.seed),
-            optimizer=OptimizerSpec(
-                lr=train.lr,
-                total_steps=train.steps,
-                weight_decay=train.weight_decay,
-                warmup_steps=train.warmup_steps,
-                lr_scheduler=train.lr_scheduler,
-                max_grad_norm=train.max_grad_norm,
-            ),
+            optimizer=OptimizerSpec.from_config(train, total_steps=train.steps),
             micro_batch_size=train.micro_batch_size,
             collective_timeout_s=config.ray.call_timeout_s,
         )
         self.actor = Cluster("actor", ActorWorker, train.world_size, spec, config.ray.call_timeout_s)
-        master = self.actor.master_address() if train.world_size > 1 else (None, None)
-        self.actor.setup(master_addr=master[0], master_port=master[1])
+        setup_trainer(self.actor)
 
     def run(self) -> str:
         """Train, evaluate, save; returns the path of the fine-tuned model (Hugging Face format)."""

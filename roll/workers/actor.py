@@ -18,8 +18,6 @@ from roll.data.batch import Batch
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.worker import register
 from roll.strategies.hf_forward import response_logprobs
-from roll.strategies.hf_generate import generate
-from roll.strategies.sampling import SamplingParams
 from roll.workers.base import ModelSpec, ModelWorker
 
 
@@ -31,6 +29,18 @@ class OptimizerSpec:
     warmup_steps: int = 0
     lr_scheduler: str = "constant"
     max_grad_norm: float = 1.0
+
+    @classmethod
+    def from_config(cls, section: Any, total_steps: int) -> OptimizerSpec:
+        """From a config section with the usual optimizer fields (``actor`` or ``sft_warm_start``)."""
+        return cls(
+            lr=section.lr,
+            total_steps=total_steps,
+            weight_decay=section.weight_decay,
+            warmup_steps=section.warmup_steps,
+            lr_scheduler=section.lr_scheduler,
+            max_grad_norm=section.max_grad_norm,
+        )
 
 
 @dataclass
@@ -197,28 +207,13 @@ class ActorWorker(ModelWorker):
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": float(grad_norm), "lr": lr}
 
-    @register(Dispatch.DP_COMPUTE)
-    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
-        """Sample (or greedily decode) responses with the current training weights (SFT evaluation)."""
-        self.model.eval()
-        try:
-            return generate(
-                self.model,
-                batch,
-                params,
-                self.tokenizer.eos_token_id,
-                self.tokenizer.pad_token_id,
-                self.tokenizer,
-            )
-        finally:
-            self.model.train()
-
     @register(Dispatch.RANK_ZERO)
     def export_weights(self) -> dict[str, torch.Tensor] | None:
         """Full weights on CPU (rank 0 only; every rank holds the same replica)."""
         if self.rank != 0:
             return None
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        # Returning the tensors serialises them into Ray's object store, so no extra copy is needed here.
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
 
     @register(Dispatch.RANK_ZERO)
     def save_pretrained(self, path: str) -> str | None:

@@ -10,6 +10,7 @@ import torch
 from roll.data.batch import Batch
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.worker import Worker, register
+from roll.strategies.sampling import SamplingParams
 
 
 @dataclass
@@ -57,3 +58,23 @@ class ModelWorker(Worker):
         with torch.inference_mode():
             logprobs, _ = response_logprobs(self.model, batch.to(self.device), temperature)
         return Batch(tensors={"logprobs": logprobs.cpu()})
+
+    @register(Dispatch.DP_COMPUTE)
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        """Sample (or greedily decode) one response per prompt row with the current weights;
+        see ``roll.strategies.hf_generate.generate``."""
+        from roll.strategies.hf_generate import generate
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return generate(
+                self.model,
+                batch,
+                params,
+                self.tokenizer.eos_token_id,
+                self.tokenizer.pad_token_id,
+                self.tokenizer,
+            )
+        finally:
+            self.model.train(was_training)

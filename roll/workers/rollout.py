@@ -6,28 +6,15 @@ from typing import Any
 
 import torch
 
-from roll.data.batch import Batch
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.worker import register
-from roll.strategies.hf_generate import generate
-from roll.strategies.sampling import SamplingParams
 from roll.workers.base import ModelWorker
 
 
 class RolloutWorker(ModelWorker):
-    weights_version: int = -1
+    """Samples responses (``generate``, from ModelWorker) and takes new weights from the trainer."""
 
-    @register(Dispatch.DP_COMPUTE)
-    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
-        """Sample one response per prompt row; see ``roll.strategies.hf_generate.generate``."""
-        return generate(
-            self.model,
-            batch,
-            params,
-            self.tokenizer.eos_token_id,
-            self.tokenizer.pad_token_id,
-            self.tokenizer,
-        )
+    weights_version: int = -1
 
     @register(Dispatch.ONE_TO_ALL)
     def load_weights(self, state_dict: dict[str, Any], version: int) -> int:
