@@ -9,7 +9,13 @@ import sys
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="ROLL: reinforcement learning for LLMs.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="ROLL: reinforcement learning for LLMs.",
+    # Locals of a training loop hold tensors and whole batches: printing them buries the actual error.
+    pretty_exceptions_show_locals=False,
+)
 
 
 def _load(config: str, overrides: list[str]):
@@ -31,6 +37,7 @@ def train(
     """Run the pipeline a config names (rlvr, sft)."""
     cfg = _load(config, overrides or [])
     from roll.data.dataset import DatasetError
+    from roll.distributed.cluster import WorkerError
     from roll.pipelines import run_pipeline
 
     try:
@@ -38,6 +45,10 @@ def train(
     except DatasetError as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2) from None
+    except WorkerError as e:
+        # The remote traceback is the useful part; the driver's own stack adds nothing.
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=1) from None
 
 
 @app.command("config")

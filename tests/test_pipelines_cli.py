@@ -4,6 +4,7 @@ a standalone SFT config, KL to a reference, several PPO mini-batches, and severa
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +12,13 @@ from pathlib import Path
 import pytest
 
 
-def roll_train(repo_root: Path, config: str, *overrides: str) -> subprocess.CompletedProcess:
+def roll_train(
+    repo_root: Path, config: str, *overrides: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [sys.executable, "-m", "roll.cli", "train", config, *overrides],
         cwd=repo_root,
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=600,
@@ -51,8 +55,12 @@ def test_sft_pipeline_learns_and_saves_a_loadable_model(repo_root, tmp_path):
 
 
 @pytest.mark.slow
-def test_rlvr_with_kl_minibatches_and_several_ranks_per_role(repo_root, tmp_path):
+def test_rlvr_with_kl_minibatches_and_several_ranks_per_role(repo_root, tmp_path, ray_session):
+    import ray
+
     out = tmp_path / "rlvr"
+    # The run joins the test session's Ray through RAY_ADDRESS, as a job joins an existing cluster.
+    address = ray.get_runtime_context().gcs_address
     roll_train(
         repo_root,
         "examples/quickstart.yaml",
@@ -69,6 +77,7 @@ def test_rlvr_with_kl_minibatches_and_several_ranks_per_role(repo_root, tmp_path
         "actor.world_size=2",
         "rollout.world_size=2",
         "reward_world_size=2",
+        env={"RAY_ADDRESS": address},
     )
     rows = [row for row in metrics(out) if "time/step_s" in row]
     assert len(rows) == 3
@@ -78,3 +87,35 @@ def test_rlvr_with_kl_minibatches_and_several_ranks_per_role(repo_root, tmp_path
         assert row["time/logprobs_s"] > 0.0
         assert 0.0 <= row["actor/clip_frac"] <= 1.0
     assert (out / "model" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_worker_failure_exits_with_an_error_naming_role_and_rank(repo_root, tmp_path, ray_session):
+    import ray
+
+    rows = tmp_path / "no_answers.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i}+{i}"}) + "\n" for i in range(16)))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "roll.cli",
+            "train",
+            "examples/quickstart.yaml",
+            f"output_dir={tmp_path / 'run'}",
+            f"data.train_path={rows}",
+            "data.eval_path=null",
+            "eval.every_steps=0",
+            "sft_warm_start=null",
+            "steps=2",
+            "tracking.backends=[jsonl]",
+        ],
+        cwd=repo_root,
+        env={**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "error: reward rank 0 failed in compute_rewards()" in result.stderr
+    assert "needs an 'answer' field" in result.stderr  # the remote traceback's message reached the user

@@ -21,3 +21,29 @@ def test_init_ray_is_a_no_op_when_ray_is_already_running(monkeypatch):
     after = ray.get_runtime_context().get_node_id(), ray.cluster_resources()
     assert after == before
     assert after[1].get("GPU") == 4
+
+
+@pytest.mark.parametrize(
+    ("config_address", "env_address", "expected"),
+    [
+        ("10.0.0.5:6379", None, "10.0.0.5:6379"),  # the config wins
+        ("10.0.0.5:6379", "10.0.0.9:6379", "10.0.0.5:6379"),
+        (None, "10.0.0.9:6379", "10.0.0.9:6379"),  # RAY_ADDRESS when the config has none
+        (None, None, None),  # neither: start a local Ray
+    ],
+)
+def test_init_ray_joins_the_configured_cluster_or_starts_a_local_one(
+    monkeypatch, config_address, env_address, expected
+):
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    if env_address is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", env_address)
+    init_ray(RayConfig(address=config_address, num_cpus=3))
+    assert len(calls) == 1
+    assert calls[0].get("address") == expected
+    # A local Ray gets the configured CPU count; joining leaves the cluster's resources alone.
+    assert ("num_cpus" in calls[0]) == (expected is None)
