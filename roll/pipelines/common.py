@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -11,12 +12,13 @@ from typing import Any
 
 import torch
 
-from roll.config.common import DataConfig, ModelConfig
+from roll.config.common import DataConfig, EvalConfig, ModelConfig
 from roll.data.batch import Batch
 from roll.data.dataset import DatasetError, load_jsonl
 from roll.data.padding import left_pad, right_pad
 from roll.distributed.cluster import Cluster
 from roll.strategies.sampling import SamplingParams
+from roll.tracking import Tracker
 
 
 def prepare_model(model: ModelConfig, output_dir: str) -> str:
@@ -160,3 +162,20 @@ def write_resolved_config(config: Any, output_dir: str) -> None:
     path = Path(output_dir)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(to_yaml(config))
+
+
+def is_eval_step(eval_cfg: EvalConfig, step: int, total_steps: int) -> bool:
+    """Evaluate every ``eval.every_steps`` steps and always after the last one."""
+    return step == total_steps or bool(eval_cfg.every_steps and step % eval_cfg.every_steps == 0)
+
+
+def open_tracker(config: Any, total_steps: int) -> Tracker:
+    """The run's metric sinks, as its ``tracking`` section asks, in its output directory."""
+    return Tracker(
+        config.output_dir,
+        config.run_name,
+        total_steps,
+        config.tracking.backends,
+        config.tracking.log_every,
+        config=dataclasses.asdict(config),
+    )

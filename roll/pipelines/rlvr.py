@@ -22,7 +22,9 @@ from roll.models.loading import load_tokenizer
 from roll.pipelines.common import (
     StageTimer,
     evaluate,
+    is_eval_step,
     load_datasets,
+    open_tracker,
     prepare_model,
     prompt_batch,
     setup_trainer,
@@ -117,15 +119,15 @@ class RLVRPipeline:
 
     def run(self) -> dict[str, float]:
         """Train for ``config.steps`` steps; returns the final metrics (eval before/after included)."""
+        try:
+            return self._train()
+        finally:
+            # Actors would die with the driver anyway; releasing them now frees a joined cluster.
+            self.shutdown()
+
+    def _train(self) -> dict[str, float]:
         cfg = self.config
-        with Tracker(
-            cfg.output_dir,
-            cfg.run_name,
-            cfg.steps,
-            cfg.tracking.backends,
-            cfg.tracking.log_every,
-            config=dataclasses.asdict(cfg),
-        ) as tracker:
+        with open_tracker(cfg, cfg.steps) as tracker:
             results: dict[str, float] = {}
             if self.eval_prompts is not None:
                 before = self.evaluate()
@@ -134,9 +136,7 @@ class RLVRPipeline:
             metrics: dict[str, float] = {}
             for step in range(1, cfg.steps + 1):
                 metrics = self.step(step)
-                if self.eval_prompts is not None and (
-                    (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == cfg.steps
-                ):
+                if self.eval_prompts is not None and is_eval_step(cfg.eval, step, cfg.steps):
                     metrics.update(self.evaluate())
                     self._warn_on_collapse(tracker, metrics["eval/score"], results)
                 tracker.log(step, metrics)
@@ -149,7 +149,6 @@ class RLVRPipeline:
                 )
             final = self.actor.save_pretrained(str(Path(cfg.output_dir) / "model"))
             tracker.print(f"final model saved to {final}")
-        self.shutdown()
         return results
 
     def step(self, step: int) -> dict[str, float]:

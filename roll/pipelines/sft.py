@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -16,7 +15,9 @@ from roll.distributed.ray_utils import init_ray
 from roll.models.loading import load_tokenizer
 from roll.pipelines.common import (
     evaluate,
+    is_eval_step,
     load_datasets,
+    open_tracker,
     prepare_model,
     prompt_batch,
     response_tensors,
@@ -25,7 +26,6 @@ from roll.pipelines.common import (
 )
 from roll.rewards import score_response
 from roll.strategies.sampling import SamplingParams
-from roll.tracking import Tracker
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
 from roll.workers.base import ModelSpec
 
@@ -54,15 +54,15 @@ class SFTPipeline:
 
     def run(self) -> str:
         """Train, evaluate, save; returns the path of the fine-tuned model (Hugging Face format)."""
+        try:
+            return self._train()
+        finally:
+            # Actors would die with the driver anyway; releasing them now frees a joined cluster.
+            self.actor.kill()
+
+    def _train(self) -> str:
         cfg = self.config
-        with Tracker(
-            cfg.output_dir,
-            cfg.run_name,
-            cfg.train.steps,
-            cfg.tracking.backends,
-            cfg.tracking.log_every,
-            config=dataclasses.asdict(cfg),
-        ) as tracker:
+        with open_tracker(cfg, cfg.train.steps) as tracker:
             if self.eval_prompts is not None:
                 before = self.evaluate()
                 tracker.log(0, before)
@@ -74,17 +74,13 @@ class SFTPipeline:
                     for k, v in self.actor.sft_step(self.batch(self.order.next_indices())).items()
                 }
                 metrics["time/step_s"] = time.perf_counter() - start
-                last = step == cfg.train.steps
-                if self.eval_prompts is not None and (
-                    (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or last
-                ):
+                if self.eval_prompts is not None and is_eval_step(cfg.eval, step, cfg.train.steps):
                     metrics.update(self.evaluate())
                 tracker.log(step, metrics)
             if self.eval_prompts is not None:
                 tracker.print(f"SFT eval/score {before['eval/score']:.3f} -> {metrics['eval/score']:.3f}")
             path = self.actor.save_pretrained(str(Path(cfg.output_dir) / "model"))
             tracker.print(f"SFT model saved to {path}")
-        self.actor.kill()
         return path
 
     def batch(self, indices: list[int]) -> Batch:
