@@ -93,8 +93,9 @@ def test_rlvr_with_kl_minibatches_and_several_ranks_per_role(repo_root, tmp_path
 def test_worker_failure_exits_with_an_error_naming_role_and_rank(repo_root, tmp_path, ray_session):
     import ray
 
-    rows = tmp_path / "no_answers.jsonl"
-    rows.write_text("".join(json.dumps({"prompt": f"{i}+{i}"}) + "\n" for i in range(16)))
+    # Rows have an answer, so they load; numeric_match then fails on the worker: the answer is no number.
+    rows = tmp_path / "words.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i}+{i}", "answer": "many"}) + "\n" for i in range(16)))
     result = subprocess.run(
         [
             sys.executable,
@@ -107,6 +108,7 @@ def test_worker_failure_exits_with_an_error_naming_role_and_rank(repo_root, tmp_
             "data.eval_path=null",
             "eval.every_steps=0",
             "sft_warm_start=null",
+            "reward=numeric_match",
             "steps=2",
             "tracking.backends=[jsonl]",
         ],
@@ -118,4 +120,36 @@ def test_worker_failure_exits_with_an_error_naming_role_and_rank(repo_root, tmp_
     )
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert "error: reward rank 0 failed in compute_rewards()" in result.stderr
-    assert "needs an 'answer' field" in result.stderr  # the remote traceback's message reached the user
+    assert "needs a numeric 'answer'" in result.stderr  # the remote traceback's message reached the user
+
+
+def test_rows_missing_a_field_the_reward_reads_fail_at_load_naming_file_and_line(repo_root, tmp_path):
+    rows = tmp_path / "no_answers.jsonl"
+    rows.write_text(
+        json.dumps({"prompt": "1+1", "answer": "2"}) + "\n" + json.dumps({"prompt": "2+2"}) + "\n"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "roll.cli",
+            "train",
+            "examples/quickstart.yaml",
+            f"output_dir={tmp_path / 'run'}",
+            f"data.train_path={rows}",
+            "data.eval_path=null",
+            "eval.every_steps=0",
+            "sft_warm_start=null",
+            "model.tiny.hidden_size=16",
+            "model.tiny.intermediate_size=32",
+            "model.tiny.num_hidden_layers=1",
+            "rollout.rollout_batch_size=2",
+            "tracking.backends=[jsonl]",
+        ],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"{rows}:2" in result.stderr and "'answer'" in result.stderr

@@ -114,3 +114,17 @@ def test_reward_output_defaults_are_not_shared():
 )
 def test_char_match_gives_partial_credit(response, answer, expected):
     assert score_response("char_match", "", response, {"answer": answer}).score == pytest.approx(expected)
+
+
+def test_rewards_declare_the_row_fields_they_read(monkeypatch):
+    from roll.rewards import needs_fields, required_fields
+
+    assert required_fields("exact_match") == ("answer",)
+    assert required_fields("exact_match", "char_match") == ("answer",)  # no duplicates
+
+    @needs_fields("tests", "language")
+    def runs_tests(prompt: str, response: str, sample: dict) -> float:
+        return 0.0
+
+    monkeypatch.setitem(REWARD_FUNCTIONS._entries, "runs_tests", runs_tests)
+    assert required_fields("runs_tests", "exact_match") == ("tests", "language", "answer")

@@ -70,11 +70,12 @@ def load_prompts(
 
 
 def load_datasets(
-    data: DataConfig, tokenizer: Any, required_keys: tuple[str, ...] = ()
+    data: DataConfig, tokenizer: Any, train_fields: tuple[str, ...] = (), eval_fields: tuple[str, ...] = ()
 ) -> tuple[PromptSet, PromptSet | None]:
-    """The training prompts and, when ``data.eval_path`` is set, the held-out ones."""
-    train = load_prompts(data.train_path, tokenizer, data, required_keys)
-    held_out = load_prompts(data.eval_path, tokenizer, data) if data.eval_path else None
+    """The training prompts and, when ``data.eval_path`` is set, the held-out ones; every row must have
+    the listed fields (what the rewards and the SFT target read), checked now rather than mid-run."""
+    train = load_prompts(data.train_path, tokenizer, data, train_fields)
+    held_out = load_prompts(data.eval_path, tokenizer, data, eval_fields) if data.eval_path else None
     return train, held_out
 
 
@@ -122,7 +123,8 @@ def evaluate(
     max_prompts: int | None = None,
     divisor: int = 1,
 ) -> dict[str, float]:
-    """Greedy decoding on held-out prompts: mean reward as ``eval/score`` plus response length."""
+    """Greedy decoding on held-out prompts: mean reward as ``eval/score``, response length, wall time."""
+    start_time = time.perf_counter()
     count = min(len(prompts), max_prompts or len(prompts))
     scores, lengths = [], []
     for start in range(0, count, batch_size):
@@ -135,6 +137,7 @@ def evaluate(
     return {
         "eval/score": torch.cat(scores).mean().item(),
         "eval/response_length": torch.cat(lengths).mean().item(),
+        "eval/time_s": time.perf_counter() - start_time,
     }
 
 

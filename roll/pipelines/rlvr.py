@@ -30,6 +30,7 @@ from roll.pipelines.common import (
     setup_trainer,
     write_resolved_config,
 )
+from roll.rewards import required_fields
 from roll.strategies.sampling import SamplingParams
 from roll.tracking import Tracker
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
@@ -44,10 +45,17 @@ class RLVRPipeline:
         self.config = config
         write_resolved_config(config, config.output_dir)
         self.model_path = prepare_model(config.model, config.output_dir)
+        # Data first: a malformed row should fail before the SFT warm start spends minutes.
+        self.tokenizer = load_tokenizer(self.model_path)
+        sft_target = (config.data.response_key,) if config.sft_warm_start is not None else ()
+        self.train_prompts, self.eval_prompts = load_datasets(
+            config.data,
+            self.tokenizer,
+            train_fields=required_fields(config.reward) + sft_target,
+            eval_fields=required_fields(config.eval_reward or config.reward),
+        )
         if config.sft_warm_start is not None:
             self.model_path = self._warm_start()
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.train_prompts, self.eval_prompts = load_datasets(config.data, self.tokenizer)
         self.prompt_order = PromptIterator(
             self.train_prompts.rows, config.rollout.rollout_batch_size, seed=config.seed
         )

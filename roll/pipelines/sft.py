@@ -24,7 +24,7 @@ from roll.pipelines.common import (
     setup_trainer,
     write_resolved_config,
 )
-from roll.rewards import score_response
+from roll.rewards import required_fields, score_response
 from roll.strategies.sampling import SamplingParams
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
 from roll.workers.base import ModelSpec
@@ -37,7 +37,10 @@ class SFTPipeline:
         self.model_path = prepare_model(config.model, config.output_dir)
         self.tokenizer = load_tokenizer(self.model_path)
         self.train_rows, self.eval_prompts = load_datasets(
-            config.data, self.tokenizer, required_keys=(config.data.response_key,)
+            config.data,
+            self.tokenizer,
+            train_fields=(config.data.response_key,),
+            eval_fields=required_fields(config.reward),
         )
         self.order = PromptIterator(self.train_rows.rows, config.train.batch_size, seed=config.seed)
         self.eval_sampling = SamplingParams(max_new_tokens=config.eval.max_new_tokens, greedy=True)

@@ -4,6 +4,6 @@ Importing this package registers the built-in rewards. Nothing here imports Ray 
 """
 
 from roll.rewards import match  # noqa: F401  (registers exact_match and numeric_match)
-from roll.rewards.base import REWARD_FUNCTIONS, RewardOutput, score_response
+from roll.rewards.base import REWARD_FUNCTIONS, RewardOutput, needs_fields, required_fields, score_response
 
-__all__ = ["REWARD_FUNCTIONS", "RewardOutput", "score_response"]
+__all__ = ["REWARD_FUNCTIONS", "RewardOutput", "needs_fields", "required_fields", "score_response"]

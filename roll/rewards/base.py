@@ -8,7 +8,8 @@ A reward function is a pure, fast Python function registered by name in ``REWARD
 
 It returns either a plain number (the sequence score) or a ``RewardOutput`` that can also carry
 per-token rewards and logging info. Callers go through ``score_response``, which validates the result
-and always returns a ``RewardOutput``.
+and always returns a ``RewardOutput``. A reward that reads row fields declares them with
+``@needs_fields("answer")`` so that rows without them fail at load time.
 """
 
 from __future__ import annotations
@@ -69,3 +70,24 @@ def score_response(name: str, prompt: str, response: str, sample: dict) -> Rewar
         f"reward function '{name}' ({getattr(fn, '__qualname__', fn)}) returned "
         f"{type(result).__name__} {result!r}; it must return a float or a RewardOutput"
     )
+
+
+def needs_fields(*fields: str) -> Callable[[RewardFn], RewardFn]:
+    """Declare the dataset-row fields a reward reads, so rows lacking them are rejected when the
+    dataset loads (naming file and line), not when the first response is scored on a worker."""
+
+    def decorator(fn: RewardFn) -> RewardFn:
+        fn.required_fields = tuple(fields)  # type: ignore[attr-defined]
+        return fn
+
+    return decorator
+
+
+def required_fields(*names: str) -> tuple[str, ...]:
+    """Row fields that the rewards registered as ``names`` declared with ``needs_fields``."""
+    fields: list[str] = []
+    for name in names:
+        for f in getattr(REWARD_FUNCTIONS.get(name), "required_fields", ()):
+            if f not in fields:
+                fields.append(f)
+    return tuple(fields)

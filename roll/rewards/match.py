@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from roll.rewards.base import REWARD_FUNCTIONS
+from roll.rewards.base import REWARD_FUNCTIONS, needs_fields
 
 # Optional sign, then digits with an optional fraction (or a bare fraction like ".5"), then an optional
 # exponent. Thousands separators are not understood: "1,000" reads as 1.
@@ -31,6 +31,7 @@ def first_number(text: str) -> float | None:
 
 
 @REWARD_FUNCTIONS.register("exact_match")
+@needs_fields("answer")
 def exact_match(prompt: str, response: str, sample: dict) -> float:
     """1.0 if the response equals ``str(sample["answer"])`` after stripping surrounding whitespace.
 
@@ -47,6 +48,7 @@ def exact_match(prompt: str, response: str, sample: dict) -> float:
 
 
 @REWARD_FUNCTIONS.register("numeric_match")
+@needs_fields("answer")
 def numeric_match(prompt: str, response: str, sample: dict) -> float:
     """1.0 if the first number in the response equals ``float(sample["answer"])`` within 1e-6.
 
@@ -74,6 +76,7 @@ def numeric_match(prompt: str, response: str, sample: dict) -> float:
 
 
 @REWARD_FUNCTIONS.register("char_match")
+@needs_fields("answer")
 def char_match(prompt: str, response: str, sample: dict) -> float:
     """Partial credit: the share of characters that match the answer position by position, over the
     longer of the two strings; 1.0 exactly when the stripped response equals the answer.
