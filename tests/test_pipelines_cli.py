@@ -13,8 +13,9 @@ import pytest
 
 
 def roll_train(
-    repo_root: Path, config: str, *overrides: str, env: dict[str, str] | None = None
+    repo_root: Path, config: str, *overrides: str, env: dict[str, str] | None = None, returncode: int = 0
 ) -> subprocess.CompletedProcess:
+    """``roll train`` in a subprocess, as a user runs it; asserts the exit code."""
     result = subprocess.run(
         [sys.executable, "-m", "roll.cli", "train", config, *overrides],
         cwd=repo_root,
@@ -23,7 +24,7 @@ def roll_train(
         text=True,
         timeout=600,
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == returncode, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
 
@@ -96,29 +97,20 @@ def test_worker_failure_exits_with_an_error_naming_role_and_rank(repo_root, tmp_
     # Rows have an answer, so they load; numeric_match then fails on the worker: the answer is no number.
     rows = tmp_path / "words.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"{i}+{i}", "answer": "many"}) + "\n" for i in range(16)))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "roll.cli",
-            "train",
-            "examples/quickstart.yaml",
-            f"output_dir={tmp_path / 'run'}",
-            f"data.train_path={rows}",
-            "data.eval_path=null",
-            "eval.every_steps=0",
-            "sft_warm_start=null",
-            "reward=numeric_match",
-            "steps=2",
-            "tracking.backends=[jsonl]",
-        ],
-        cwd=repo_root,
-        env={**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address},
-        capture_output=True,
-        text=True,
-        timeout=600,
+    result = roll_train(
+        repo_root,
+        "examples/quickstart.yaml",
+        f"output_dir={tmp_path / 'run'}",
+        f"data.train_path={rows}",
+        "data.eval_path=null",
+        "eval.every_steps=0",
+        "sft_warm_start=null",
+        "reward=numeric_match",
+        "steps=2",
+        "tracking.backends=[jsonl]",
+        env={"RAY_ADDRESS": ray.get_runtime_context().gcs_address},
+        returncode=1,
     )
-    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert "error: reward rank 0 failed in compute_rewards()" in result.stderr
     assert "needs a numeric 'answer'" in result.stderr  # the remote traceback's message reached the user
 
@@ -128,28 +120,19 @@ def test_rows_missing_a_field_the_reward_reads_fail_at_load_naming_file_and_line
     rows.write_text(
         json.dumps({"prompt": "1+1", "answer": "2"}) + "\n" + json.dumps({"prompt": "2+2"}) + "\n"
     )
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "roll.cli",
-            "train",
-            "examples/quickstart.yaml",
-            f"output_dir={tmp_path / 'run'}",
-            f"data.train_path={rows}",
-            "data.eval_path=null",
-            "eval.every_steps=0",
-            "sft_warm_start=null",
-            "model.tiny.hidden_size=16",
-            "model.tiny.intermediate_size=32",
-            "model.tiny.num_hidden_layers=1",
-            "rollout.rollout_batch_size=2",
-            "tracking.backends=[jsonl]",
-        ],
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    result = roll_train(
+        repo_root,
+        "examples/quickstart.yaml",
+        f"output_dir={tmp_path / 'run'}",
+        f"data.train_path={rows}",
+        "data.eval_path=null",
+        "eval.every_steps=0",
+        "sft_warm_start=null",
+        "model.tiny.hidden_size=16",
+        "model.tiny.intermediate_size=32",
+        "model.tiny.num_hidden_layers=1",
+        "rollout.rollout_batch_size=2",
+        "tracking.backends=[jsonl]",
+        returncode=2,
     )
-    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"{rows}:2" in result.stderr and "'answer'" in result.stderr

@@ -20,9 +20,6 @@ class ModelSpec:
     path: str
     dtype: str = "float32"
     seed: int = 0
-    # CPU threads for torch; unset means every core of the node, since the stages of a step run one
-    # after another and only one worker is busy at a time (Ray would otherwise pin each actor to 1).
-    num_threads: int | None = None
 
 
 def pick_device() -> torch.device:
@@ -43,7 +40,9 @@ class ModelWorker(Worker):
         # Per-shard progress bars from every worker would bury the training metrics.
         hf_logging.disable_progress_bar()
         spec: ModelSpec = self.config.model
-        torch.set_num_threads(spec.num_threads or os.cpu_count() or 1)
+        # Every core of the node: the stages of a step run one after another, so only one worker is busy
+        # at a time (Ray would otherwise pin each zero-CPU actor to a single thread).
+        torch.set_num_threads(os.cpu_count() or 1)
         torch.manual_seed(spec.seed + self.rank)
         self.device = pick_device()
         self.tokenizer = load_tokenizer(spec.path)
