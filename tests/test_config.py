@@ -528,3 +528,37 @@ def test_unknown_key_does_not_import_torch_or_ray() -> None:
     assert "Did you mean 'lr'" in lines[0]
     assert "actor.lr" in lines[1] and "Float" in lines[1]
     assert lines[-1] == "False False"
+
+
+# --------------------------------------------------------------------------- plugins
+
+
+PLUGIN = """
+from roll.rewards import REWARD_FUNCTIONS, needs_fields
+
+
+@REWARD_FUNCTIONS.register("{name}")
+@needs_fields("answer")
+def quarter(prompt, response, sample):
+    return 0.25
+"""
+
+
+def test_imports_register_a_custom_reward_that_validation_accepts(tmp_path: Path, monkeypatch) -> None:
+    from roll.rewards import REWARD_FUNCTIONS
+
+    # The plugin registers into a copy of the registry, so other tests never see it.
+    monkeypatch.setattr(REWARD_FUNCTIONS, "_entries", dict(REWARD_FUNCTIONS._entries))
+    (tmp_path / "roll_test_plugin_ok.py").write_text(PLUGIN.format(name="quarter_ok"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert "quarter_ok" in load_error(["reward=quarter_ok"])  # unknown without the import
+        cfg = load_config(QUICKSTART, ["imports=[roll_test_plugin_ok]", "reward=quarter_ok"])
+        assert cfg.imports == ["roll_test_plugin_ok"] and cfg.reward == "quarter_ok"
+    finally:
+        sys.modules.pop("roll_test_plugin_ok", None)
+
+
+def test_imports_of_a_missing_module_are_a_config_error() -> None:
+    message = load_error(["imports=[no_such_roll_plugin]"])
+    assert "imports" in message and "no_such_roll_plugin" in message

@@ -13,12 +13,18 @@ import pytest
 
 
 def roll_train(
-    repo_root: Path, config: str, *overrides: str, env: dict[str, str] | None = None, returncode: int = 0
+    repo_root: Path,
+    config: str,
+    *overrides: str,
+    env: dict[str, str] | None = None,
+    returncode: int = 0,
+    cwd: Path | None = None,
 ) -> subprocess.CompletedProcess:
-    """``roll train`` in a subprocess, as a user runs it; asserts the exit code."""
+    """``roll train`` in a subprocess, as a user runs it (from ``cwd``, default the repo root); asserts
+    the exit code."""
     result = subprocess.run(
         [sys.executable, "-m", "roll.cli", "train", config, *overrides],
-        cwd=repo_root,
+        cwd=cwd or repo_root,
         env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
@@ -136,3 +142,37 @@ def test_rows_missing_a_field_the_reward_reads_fail_at_load_naming_file_and_line
         returncode=2,
     )
     assert f"{rows}:2" in result.stderr and "'answer'" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_reward_from_the_users_own_module_runs_on_the_workers(repo_root, tmp_path, ray_session):
+    import ray
+
+    # A module next to the user (the working directory), not installed anywhere.
+    (tmp_path / "my_rewards.py").write_text(
+        "from roll.rewards import REWARD_FUNCTIONS\n\n\n"
+        '@REWARD_FUNCTIONS.register("always_a_quarter")\n'
+        "def always_a_quarter(prompt, response, sample):\n"
+        "    return 0.25\n"
+    )
+    out = tmp_path / "run"
+    data = repo_root / "examples" / "data" / "addition"
+    roll_train(
+        repo_root,
+        str(repo_root / "examples" / "quickstart.yaml"),
+        f"output_dir={out}",
+        f"data.train_path={data / 'train.jsonl'}",
+        f"data.eval_path={data / 'eval.jsonl'}",
+        "imports=[my_rewards]",
+        "reward=always_a_quarter",
+        "eval_reward=exact_match",
+        "sft_warm_start=null",
+        "steps=2",
+        "eval.every_steps=0",
+        "eval.max_prompts=8",
+        "tracking.backends=[jsonl]",
+        env={"RAY_ADDRESS": ray.get_runtime_context().gcs_address},
+        cwd=tmp_path,
+    )
+    rows = [row for row in metrics(out) if "reward/mean" in row]
+    assert [row["reward/mean"] for row in rows] == [0.25, 0.25]

@@ -19,6 +19,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from roll.config.fields import field_docs
 from roll.config.rlvr import RLVRConfig
 from roll.config.sft import SFTConfig
+from roll.utils.plugins import import_plugins
 from roll.utils.registry import Registry, did_you_mean
 
 PipelineConfig = RLVRConfig | SFTConfig
@@ -50,6 +51,10 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Pipel
     except KeyError as e:
         raise ConfigError(f"{path}: pipeline: {e.args[0]}") from None
     config = _to_dataclass(schema, raw, source=str(path))
+    try:
+        import_plugins(config.imports, search_path=os.getcwd())
+    except ImportError as e:
+        raise ConfigError(f"{path}: imports: {e}") from None
     problems = validate(config)
     if problems:
         raise ConfigError(f"{path}: invalid config:\n" + "\n".join(f"  - {p}" for p in problems))

@@ -67,6 +67,9 @@ class RLVRConfig:
     run_name: str = option("rlvr", help="Name shown in logs.")
     output_dir: str = option("runs/rlvr", help="Run directory: metrics, TensorBoard events, final model.")
     seed: int = option(0, help="Seed for data order, sampling and initialisation.")
+    imports: list[str] = option(
+        [], help="Your modules that register rewards or algorithms (imported in the driver and every worker)."
+    )
     steps: int = option(100, help="RL training steps (one rollout batch each).")
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The initial policy."})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Prompt data."})

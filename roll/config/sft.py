@@ -34,6 +34,9 @@ class SFTConfig:
     run_name: str = option("sft", help="Name shown in logs.")
     output_dir: str = option("runs/sft", help="Run directory: metrics, TensorBoard events, final model.")
     seed: int = option(0, help="Seed for data order, sampling and initialisation.")
+    imports: list[str] = option(
+        [], help="Your modules that register rewards or algorithms (imported in the driver and every worker)."
+    )
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The model to fine-tune."})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Training and eval data."})
     train: SFTTrainConfig = field(default_factory=SFTTrainConfig, metadata={"help": "Optimisation."})

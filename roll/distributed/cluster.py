@@ -9,9 +9,10 @@ waits with a timeout and merges the results. An exception on any rank is raised 
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -97,7 +98,10 @@ class Cluster:
         num_cpus_per_worker: float = 0.0,
         num_gpus_per_worker: float = 0.0,
         env: dict[str, str] | None = None,
+        plugins: Sequence[str] = (),
     ):
+        """``plugins``: modules every worker imports at start (a config's ``imports``), found from the
+        driver's working directory as well as the installed packages."""
         if world_size < 1:
             raise ValueError(f"{role}: world_size must be >= 1 (got {world_size})")
         self.role, self.world_size, self.timeout_s = role, world_size, timeout_s
@@ -105,7 +109,9 @@ class Cluster:
         # time-share the cores instead of each reserving one (a 2-core laptop holds every role).
         remote_cls = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker)(worker_cls)
         self.workers = [
-            remote_cls.options(name=None, max_concurrency=1).remote(role, rank, world_size, config, env)
+            remote_cls.options(name=None, max_concurrency=1).remote(
+                role, rank, world_size, config, env, tuple(plugins), os.getcwd()
+            )
             for rank in range(world_size)
         ]
         self.worker_cls = worker_cls

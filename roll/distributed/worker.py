@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from roll.distributed.dispatch import Dispatch
+from roll.utils.plugins import import_plugins
 
 F = TypeVar("F", bound=Callable[..., Any])
 DISPATCH_ATTR = "_roll_dispatch"
@@ -39,13 +40,23 @@ class Worker:
     """Base class of every role's worker. Subclasses do heavy setup in ``setup``, not ``__init__``,
     so that all clusters start their actors first and load models in parallel."""
 
-    def __init__(self, role: str, rank: int, world_size: int, config: Any, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        role: str,
+        rank: int,
+        world_size: int,
+        config: Any,
+        env: dict[str, str] | None = None,
+        plugins: Sequence[str] = (),
+        plugin_path: str | None = None,
+    ):
         self.role = role
         self.rank = rank
         self.world_size = world_size
         self.config = config
         for key, value in (env or {}).items():
             os.environ[key] = value
+        import_plugins(plugins, plugin_path)
 
     @register(Dispatch.ONE_TO_ALL)
     def setup(self) -> None:

@@ -4,6 +4,7 @@ generate -> reward -> reference/old logprobs -> advantages -> train -> sync weig
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,7 @@ class RLVRPipeline:
             run_name=f"{cfg.run_name}-sft",
             output_dir=str(Path(cfg.output_dir) / "sft"),
             seed=cfg.seed,
+            imports=cfg.imports,
             model=dataclasses.replace(cfg.model, path=self.model_path, tiny=None),
             data=cfg.data,
             train=cfg.sft_warm_start,
@@ -109,11 +111,12 @@ class RLVRPipeline:
         # come free inside the train step, so the extra forward pass is skipped.
         self.needs_old_logprobs = updates_per_step > 1
         timeout = cfg.ray.call_timeout_s
-        self.actor = Cluster("actor", ActorWorker, cfg.actor.world_size, actor_spec, timeout)
-        self.rollout = Cluster("rollout", RolloutWorker, cfg.rollout.world_size, _Holder(model), timeout)
-        self.reward = Cluster("reward", RewardWorker, cfg.reward_world_size, cfg.reward, timeout)
+        cluster = functools.partial(Cluster, timeout_s=timeout, plugins=cfg.imports)
+        self.actor = cluster("actor", ActorWorker, cfg.actor.world_size, actor_spec)
+        self.rollout = cluster("rollout", RolloutWorker, cfg.rollout.world_size, _Holder(model))
+        self.reward = cluster("reward", RewardWorker, cfg.reward_world_size, cfg.reward)
         self.reference = (
-            Cluster("reference", ReferenceWorker, cfg.actor.world_size, _Holder(model), timeout)
+            cluster("reference", ReferenceWorker, cfg.actor.world_size, _Holder(model))
             if cfg.algorithm.kl_coef > 0
             else None
         )

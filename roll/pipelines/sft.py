@@ -52,7 +52,9 @@ class SFTPipeline:
             micro_batch_size=train.micro_batch_size,
             collective_timeout_s=config.ray.call_timeout_s,
         )
-        self.actor = Cluster("actor", ActorWorker, train.world_size, spec, config.ray.call_timeout_s)
+        self.actor = Cluster(
+            "actor", ActorWorker, train.world_size, spec, config.ray.call_timeout_s, plugins=config.imports
+        )
         setup_trainer(self.actor)
 
     def run(self) -> str:
