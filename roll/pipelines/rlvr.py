@@ -176,22 +176,14 @@ class RLVRPipeline:
         with timer("reward"):
             scores = self.reward.compute_rewards(batch)["scores"]
         with timer("logprobs"):
-            futures = []
+            # Reference and old-policy forward passes run at the same time on their own workers.
+            temperature = cfg.rollout.temperature
+            pending = {}
             if self.reference is not None:
-                futures.append(
-                    (
-                        "ref_logprobs",
-                        self.reference.compute_logprobs(batch, cfg.rollout.temperature, blocking=False),
-                    )
-                )
+                pending["ref_logprobs"] = self.reference.compute_logprobs(batch, temperature, blocking=False)
             if self.needs_old_logprobs:
-                futures.append(
-                    (
-                        "old_logprobs",
-                        self.actor.compute_logprobs(batch, cfg.rollout.temperature, blocking=False),
-                    )
-                )
-            for key, future in futures:
+                pending["old_logprobs"] = self.actor.compute_logprobs(batch, temperature, blocking=False)
+            for key, future in pending.items():
                 batch[key] = future.get()["logprobs"]
         batch["advantages"] = self._advantages(batch, scores)
         with timer("train"):
