@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from roll.config.rlvr import AlgorithmConfig
 from roll.data.batch import Batch
-from roll.distributed.dispatch import Dispatch
+from roll.distributed.dispatch import Dispatch, mean_metrics
 from roll.distributed.worker import register
 from roll.strategies.hf_forward import response_logprobs
 from roll.workers.base import ModelSpec, ModelWorker
@@ -126,7 +126,7 @@ class ActorWorker(ModelWorker):
                     _accumulate(step_metrics, loss_metrics)
                 values = self._sum_loss_terms_across_ranks(_step_values(step_metrics))
                 metrics.append({**values, **self._optimizer_step()})
-        return _average(metrics)
+        return mean_metrics(metrics)
 
     def _policy_loss(self, micro: Batch, denominator: float) -> tuple[torch.Tensor, dict[str, float]]:
         """Policy loss of one micro-batch (plus entropy bonus and KL penalty when configured)."""
@@ -250,12 +250,6 @@ def _step_values(sums: dict[str, float]) -> dict[str, float]:
     mini-batch's global denominator, so their sum is the step's value; the rest are averaged."""
     count = sums.pop("_micro_batches", 1)
     return {k: v if k in _SUMMED_OVER_MICRO_BATCHES else v / count for k, v in sums.items()}
-
-
-def _average(per_update: list[dict[str, float]]) -> dict[str, float]:
-    """Mean over optimizer steps of each step's metric value."""
-    keys = {k for m in per_update for k in m}
-    return {k: sum(m[k] for m in per_update if k in m) / sum(1 for m in per_update if k in m) for k in keys}
 
 
 def _remove_tree(path: Path) -> None:
