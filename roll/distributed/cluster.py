@@ -147,6 +147,16 @@ class Cluster:
             pass  # a worker that cannot shut down cleanly is killed below all the same
         for worker in self.workers:
             ray.kill(worker)
+        # ray.kill only requests the end; wait until each actor is really gone so the caller can
+        # count on it (its resources free, later calls failing) once kill() returns.
+        deadline = time.monotonic() + 10.0
+        for worker in self.workers:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get(worker.ping.remote(), timeout=1.0)
+                except (RayActorError, GetTimeoutError):
+                    break
+                time.sleep(0.05)
 
     def __repr__(self) -> str:
         return f"Cluster(role={self.role!r}, world_size={self.world_size}, methods={sorted(self._methods)})"
