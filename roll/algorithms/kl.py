@@ -13,6 +13,9 @@ use J. Schulman's Monte-Carlo estimators ("Approximating KL Divergence", 2020). 
 Every estimator has the signature ``fn(logprobs [B, T], ref_logprobs [B, T]) -> [B, T]`` and works
 element-wise, so masking and aggregation are the caller's job (see ``losses.kl_penalty_loss``).
 Add one with ``@KL_ESTIMATORS.register("name")``.
+
+``adaptive_kl_coef`` updates the coefficient of a KL penalty between steps (a controller, not an
+estimator).
 """
 
 from __future__ import annotations
@@ -90,3 +93,39 @@ def kl_abs(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
         ``[B, T]``.
     """
     return (logprobs - ref_logprobs).abs()
+
+
+def adaptive_kl_coef(
+    coef: float, observed_kl: float, target_kl: float, horizon: int, batch_size: int
+) -> float:
+    """One update of the adaptive KL coefficient of Ziegler et al. 2019 ("Fine-Tuning Language Models
+    from Human Preferences").
+
+    A proportional controller that steers the observed KL(pi || ref) towards ``target_kl``::
+
+        error = clip(observed_kl / target_kl - 1, -0.2, 0.2)
+        coef  = coef * (1 + error * batch_size / horizon)
+
+    The clip bounds how much one noisy batch can move the coefficient; ``horizon`` (in samples) sets
+    how fast it reacts: after ``horizon`` samples with a constant error the coefficient has changed by
+    about a factor ``exp(error)``.
+
+    Args:
+        coef: current KL coefficient.
+        observed_kl: KL measured on the last batch (e.g. the mean per-sequence KL).
+        target_kl: desired KL, > 0.
+        horizon: reaction time in samples, > 0.
+        batch_size: samples in the last batch.
+
+    Returns:
+        The new coefficient.
+
+    Raises:
+        ValueError: when ``target_kl <= 0`` or ``horizon <= 0``.
+    """
+    if not target_kl > 0:
+        raise ValueError(f"adaptive KL needs target_kl > 0, got {target_kl}")
+    if not horizon > 0:
+        raise ValueError(f"adaptive KL needs horizon > 0, got {horizon}")
+    error = min(max(observed_kl / target_kl - 1.0, -0.2), 0.2)
+    return coef * (1.0 + error * batch_size / horizon)

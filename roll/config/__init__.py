@@ -4,7 +4,14 @@ Importing this never imports torch or Ray."""
 
 from roll.config.common import DataConfig, EvalConfig, ModelConfig, RayConfig, TinyModelConfig, TrackingConfig
 from roll.config.loader import PIPELINE_CONFIGS, ConfigError, load_config, to_yaml, validate
-from roll.config.rlvr import ActorConfig, AlgorithmConfig, RLVRConfig, RolloutConfig
+from roll.config.rlvr import (
+    ActorConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    RewardShapingConfig,
+    RLVRConfig,
+    RolloutConfig,
+)
 from roll.config.sft import SFTConfig, SFTTrainConfig
 
 __all__ = [
@@ -12,11 +19,13 @@ __all__ = [
     "ActorConfig",
     "AlgorithmConfig",
     "ConfigError",
+    "CriticConfig",
     "DataConfig",
     "EvalConfig",
     "ModelConfig",
     "RLVRConfig",
     "RayConfig",
+    "RewardShapingConfig",
     "RolloutConfig",
     "SFTConfig",
     "SFTTrainConfig",

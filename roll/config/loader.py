@@ -87,7 +87,9 @@ def to_yaml(config: Any, with_docs: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _read_yaml(path: str | os.PathLike) -> Any:
+def _read_yaml(path: str | os.PathLike, children: tuple[Path, ...] = ()) -> Any:
+    """The YAML mapping at ``path``; a ``base: other.yaml`` key (relative to this file) is loaded first
+    and this file's keys are merged over it, so a recipe states only how it differs from its base."""
     if not Path(path).is_file():
         raise ConfigError(f"config file '{path}' does not exist")
     try:
@@ -96,7 +98,16 @@ def _read_yaml(path: str | os.PathLike) -> Any:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not OmegaConf.is_dict(raw):
         raise ConfigError(f"{path}: the top level must be a mapping of config keys")
-    return raw
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    base_path = Path(path).parent / str(base)
+    chain = (*children, Path(path).resolve())
+    if not base_path.is_file():
+        raise ConfigError(f"{path}: `base: {base}` names {base_path}, which does not exist")
+    if base_path.resolve() in chain:
+        raise ConfigError(f"{path}: `base: {base}` makes a cycle: {' -> '.join(map(str, chain))}")
+    return OmegaConf.merge(_read_yaml(base_path, chain), raw)
 
 
 def _parse_overrides(overrides: Sequence[str]) -> Any:

@@ -45,18 +45,82 @@ class ActorConfig:
 
 
 @dataclass
+class RewardShapingConfig:
+    """Changes to each response's score before advantages: penalties, then normalisation, then clipping."""
+
+    overlong_buffer: int = option(
+        0,
+        help="DAPO overlong penalty: responses longer than max_new_tokens - this lose up to "
+        "overlong_penalty_factor, linearly (0 disables).",
+    )
+    overlong_penalty_factor: float = option(1.0, help="DAPO overlong penalty at max_new_tokens.")
+    length_penalty_coef: float = option(
+        0.0, help="Subtract coef * length / max_new_tokens from every score (0 disables)."
+    )
+    normalize: bool = option(False, help="Standardise scores over the batch (zero mean, unit std).")
+    clip: float | None = option(
+        None, help="Clip scores to [-clip, clip] after normalisation (unset: no clip)."
+    )
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimator, policy loss and regularisers, each selected by registry name."""
 
-    advantage_estimator: str = option("grpo", help="Advantage estimator (registry name).")
-    norm_adv_by_std: bool = option(True, help="GRPO: divide group-centred rewards by the group std.")
-    policy_loss: str = option("ppo_clip", help="Policy loss (registry name).")
-    clip_ratio_low: float = option(0.2, help="PPO clip: lower bound is 1 - clip_ratio_low.")
-    clip_ratio_high: float = option(0.2, help="PPO clip: upper bound is 1 + clip_ratio_high.")
-    loss_agg_mode: str = option("token-mean", help="How token losses become one scalar (registry name).")
-    kl_coef: float = option(0.0, help="Weight of the KL-to-reference loss; 0 skips the reference model.")
-    kl_estimator: str = option("k3", help="KL estimator (registry name).")
+    advantage_estimator: str = option(
+        "grpo",
+        help="Advantage estimator (registry name): grpo, dr_grpo, rloo, reinforce_plus_plus, "
+        "reinforce_plus_plus_baseline, reinforce_baseline, gae (needs a critic).",
+    )
+    norm_adv_by_std: bool = option(True, help="grpo: divide group-centred rewards by the group std.")
+    gamma: float = option(1.0, help="Discount per token for gae and reinforce_plus_plus returns.")
+    lam: float = option(1.0, help="gae: lambda, the bias/variance trade-off (1: Monte-Carlo returns).")
+    whiten_advantages: bool = option(False, help="Standardise advantages over the batch's response tokens.")
+    advantage_clip: float | None = option(None, help="Clip advantages to [-x, x] (unset: no clip).")
+    policy_loss: str = option(
+        "ppo_clip", help="Policy loss (registry name): ppo_clip, dual_clip, gspo, cispo."
+    )
+    clip_ratio_low: float = option(0.2, help="Importance-ratio clip: lower bound is 1 - clip_ratio_low.")
+    clip_ratio_high: float = option(
+        0.2, help="Importance-ratio clip: upper bound is 1 + clip_ratio_high (DAPO clip-higher: 0.28)."
+    )
+    clip_ratio_c: float = option(3.0, help="dual_clip: negative-advantage tokens lose at most c * |A|.")
+    loss_agg_mode: str = option(
+        "token-mean",
+        help="How token losses become one scalar (registry name): token-mean, seq-mean-token-mean, "
+        "seq-mean-token-sum, seq-mean-token-sum-norm.",
+    )
+    tis_cap: float | None = option(
+        None,
+        help="Truncated importance sampling: weight each token by min(pi_trainer / pi_engine, cap) to "
+        "correct engine/trainer mismatch (unset disables).",
+    )
+    kl_coef: float = option(0.0, help="Weight of the KL to the reference model; 0 skips the reference model.")
+    kl_estimator: str = option("k3", help="KL estimator (registry name): k1, k2, k3, abs.")
+    kl_penalty: Literal["loss", "reward"] = option(
+        "loss", help="Where the KL goes: a loss term, or subtracted from each token's reward (PPO-RLHF)."
+    )
+    kl_target: float | None = option(
+        None, help="Adaptive KL: steer kl_coef so the KL per token nears this (unset: kl_coef stays fixed)."
+    )
+    kl_horizon: int = option(10000, help="Adaptive KL: samples over which kl_coef adapts (larger: slower).")
     entropy_coef: float = option(0.0, help="Entropy bonus weight (0 disables).")
+    reward_shaping: RewardShapingConfig = field(
+        default_factory=RewardShapingConfig, metadata={"help": "Score penalties, normalisation, clipping."}
+    )
+
+
+@dataclass
+class CriticConfig(ActorConfig):
+    """The value model for gae: the policy's backbone with a scalar head, trained on the returns."""
+
+    model_path: str | None = option(
+        None, help="Value model directory; unset starts from the policy's initial weights with a new head."
+    )
+    lr: float = option(1e-5, help="Peak learning rate (AdamW) of the value model.")
+    value_clip: float = option(
+        0.2, help="Clip each value's move from its rollout-time estimate to +-value_clip (0 disables)."
+    )
 
 
 @dataclass
@@ -79,6 +143,10 @@ class RLVRConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"help": "Sampling."})
     actor: ActorConfig = field(default_factory=ActorConfig, metadata={"help": "Policy optimisation."})
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig, metadata={"help": "RL algorithm."})
+    critic: CriticConfig | None = field(
+        default=None,
+        metadata={"help": "Value model; needed by advantage_estimator=gae (PPO), unused otherwise."},
+    )
     reward: str = option("exact_match", help="Reward function (registry name) scoring each response.")
     eval_reward: str | None = option(
         None,

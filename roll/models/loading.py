@@ -98,3 +98,39 @@ def load_causal_lm(
         raise ValueError(f"dtype {dtype!r} is not a torch dtype name (e.g. float32, bfloat16, float16)")
     model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch_dtype)
     return model.to(device)
+
+
+def load_value_model(
+    path: str | os.PathLike, dtype: str = "float32", device: str | torch.device = "cpu"
+) -> PreTrainedModel:
+    """A value model: the transformer saved at ``path`` with a scalar head on every position (``score``).
+
+    From a causal LM checkpoint (the usual start: the policy's own weights) the head is new; it is
+    zero-initialised so every value starts at 0 instead of at random. A saved value model loads as is.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
+
+    check_model_path(path, tokenizer=False)
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"dtype {dtype!r} is not a torch dtype name (e.g. float32, bfloat16, float16)")
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True, num_labels=1)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the "newly initialized head" report is expected here, not a problem
+    try:
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            str(path), config=config, local_files_only=True, dtype=torch_dtype, output_loading_info=True
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if any(key.startswith("score.") for key in info["missing_keys"]):
+        with torch.no_grad():
+            for parameter in model.score.parameters():
+                parameter.zero_()
+    # The head's dropout (0.1 by default) would make values noisy and old/new values disagree.
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model.to(device)

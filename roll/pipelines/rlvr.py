@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from roll.algorithms import ADVANTAGE_ESTIMATORS
+from roll.algorithms.functional import masked_mean
+from roll.algorithms.kl import adaptive_kl_coef
 from roll.config.rlvr import RLVRConfig
 from roll.config.sft import SFTConfig
-from roll.data.batch import Batch
 from roll.data.dataset import PromptIterator
 from roll.distributed.cluster import Cluster, wait_all
 from roll.distributed.ray_utils import init_ray
@@ -31,11 +31,19 @@ from roll.pipelines.common import (
     setup_trainer,
     write_resolved_config,
 )
+from roll.pipelines.credit import (
+    advantage_metrics,
+    compute_advantages,
+    kl_per_token,
+    outcome_token_rewards,
+    shape_scores,
+)
 from roll.rewards import required_fields
 from roll.strategies.sampling import SamplingParams
 from roll.tracking import Tracker
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
 from roll.workers.base import ModelSpec
+from roll.workers.critic import CriticSpec, CriticWorker
 from roll.workers.reference import ReferenceWorker
 from roll.workers.reward import RewardWorker
 from roll.workers.rollout import RolloutWorker
@@ -95,21 +103,18 @@ class RLVRPipeline:
         init_ray(cfg.ray)
         model = ModelSpec(path=self.model_path, dtype=cfg.model.dtype, seed=cfg.seed)
         samples = cfg.rollout.rollout_batch_size * cfg.rollout.num_return_sequences
-        mini_batch = cfg.actor.mini_batch_size or samples
-        updates_per_step = cfg.actor.ppo_epochs * (samples // mini_batch)
+        algo = cfg.algorithm
         actor_spec = ActorSpec(
-            model=model,
-            optimizer=OptimizerSpec.from_config(cfg.actor, total_steps=cfg.steps * updates_per_step),
-            micro_batch_size=cfg.actor.micro_batch_size,
-            ppo_epochs=cfg.actor.ppo_epochs,
-            mini_batch_size=cfg.actor.mini_batch_size,
-            algorithm=cfg.algorithm,
+            **_trainer_fields(cfg.actor, model, samples, cfg.steps, cfg.ray.call_timeout_s),
+            algorithm=algo,
             temperature=cfg.rollout.temperature,
-            collective_timeout_s=cfg.ray.call_timeout_s,
         )
         # With one optimizer step per rollout batch the "old" policy is the current one: its logprobs
-        # come free inside the train step, so the extra forward pass is skipped.
-        self.needs_old_logprobs = updates_per_step > 1
+        # come free inside the train step, so the extra forward pass is skipped. A KL in the reward
+        # needs them before the update, so it keeps the pass.
+        updates_per_step = cfg.actor.ppo_epochs * (samples // (cfg.actor.mini_batch_size or samples))
+        self.needs_old_logprobs = updates_per_step > 1 or (algo.kl_coef > 0 and algo.kl_penalty == "reward")
+        self.kl_coef = algo.kl_coef  # moves each step when algorithm.kl_target is set
         timeout = cfg.ray.call_timeout_s
         cluster = functools.partial(Cluster, timeout_s=timeout, plugins=cfg.imports)
         self.actor = cluster("actor", ActorWorker, cfg.actor.world_size, actor_spec)
@@ -117,13 +122,20 @@ class RLVRPipeline:
         self.reward = cluster("reward", RewardWorker, cfg.reward_world_size, cfg.reward)
         self.reference = (
             cluster("reference", ReferenceWorker, cfg.actor.world_size, _Holder(model))
-            if cfg.algorithm.kl_coef > 0
+            if algo.kl_coef > 0
             else None
         )
-        futures = [
-            setup_trainer(self.actor, blocking=False),
-            self.rollout.setup(blocking=False),
-        ]
+        self.critic = None
+        if cfg.critic is not None:
+            critic_model = dataclasses.replace(model, path=cfg.critic.model_path or model.path)
+            critic_spec = CriticSpec(
+                **_trainer_fields(cfg.critic, critic_model, samples, cfg.steps, timeout),
+                value_clip=cfg.critic.value_clip,
+            )
+            self.critic = cluster("critic", CriticWorker, cfg.critic.world_size, critic_spec)
+        futures = [setup_trainer(self.actor, blocking=False), self.rollout.setup(blocking=False)]
+        if self.critic is not None:
+            futures.append(setup_trainer(self.critic, blocking=False))
         if self.reference is not None:
             futures.append(self.reference.setup(blocking=False))
         wait_all(*futures)
@@ -160,10 +172,12 @@ class RLVRPipeline:
                 )
             final = self.actor.save_pretrained(str(Path(cfg.output_dir) / "model"))
             tracker.print(f"final model saved to {final}")
+            if self.critic is not None:
+                self.critic.save_pretrained(str(Path(cfg.output_dir) / "critic"))
         return results
 
     def step(self, step: int) -> dict[str, float]:
-        cfg = self.config
+        cfg, algo = self.config, self.config.algorithm
         timer = StageTimer()
         start = time.perf_counter()
         indices = self.prompt_order.next_indices()
@@ -173,53 +187,72 @@ class RLVRPipeline:
 
         with timer("generate"):
             batch = batch.union(self.rollout.generate(batch, self.sampling))
+        mask = batch["response_mask"].float()
+        lengths = mask.sum(dim=1)
         with timer("reward"):
             scores = self.reward.compute_rewards(batch)["scores"]
+            shaped = shape_scores(scores, lengths, algo.reward_shaping, cfg.rollout.max_new_tokens)
         with timer("logprobs"):
-            # Reference and old-policy forward passes run at the same time on their own workers.
+            # Reference, old-policy and value passes run at the same time on their own workers.
             temperature = cfg.rollout.temperature
-            pending = {}
+            pending = {}  # batch key -> (future, field of its result)
             if self.reference is not None:
-                pending["ref_logprobs"] = self.reference.compute_logprobs(batch, temperature, blocking=False)
+                future = self.reference.compute_logprobs(batch, temperature, blocking=False)
+                pending["ref_logprobs"] = (future, "logprobs")
             if self.needs_old_logprobs:
-                pending["old_logprobs"] = self.actor.compute_logprobs(batch, temperature, blocking=False)
-            for key, future in pending.items():
-                batch[key] = future.get()["logprobs"]
-        batch["advantages"] = self._advantages(batch, scores)
+                pending["old_logprobs"] = (
+                    self.actor.compute_logprobs(batch, temperature, blocking=False),
+                    "logprobs",
+                )
+            if self.critic is not None:
+                pending["values"] = (self.critic.compute_values(batch, blocking=False), "values")
+            for key, (future, result_field) in pending.items():
+                batch[key] = future.get()[result_field]
+
+        token_rewards = outcome_token_rewards(shaped, mask)
+        metrics: dict[str, float] = {}
+        if self.reference is not None and algo.kl_penalty == "reward":
+            kl = kl_per_token(batch["old_logprobs"], batch["ref_logprobs"], mask, algo.kl_estimator)
+            token_rewards = token_rewards - self.kl_coef * kl
+            metrics["reward/kl"] = masked_mean(kl, mask).item()
+        advantages, returns = compute_advantages(
+            algo, token_rewards, mask, batch["group_index"], batch["values"] if self.critic else None
+        )
+        batch["advantages"], batch["returns"] = advantages, returns
+
+        if self.critic is not None:
+            with timer("critic"):
+                metrics.update({f"critic/{k}": v for k, v in self.critic.train_step(batch).items()})
         with timer("train"):
-            train_metrics = self.actor.train_step(batch)
+            kl_loss_coef = self.kl_coef if algo.kl_penalty == "loss" else 0.0
+            metrics.update({f"actor/{k}": v for k, v in self.actor.train_step(batch, kl_loss_coef).items()})
         with timer("sync"):
             sync_weights(self.actor, self.rollout, version=step)
+        if self.reference is not None:
+            metrics["actor/kl_coef"] = self.kl_coef
+            if algo.kl_target is not None:
+                observed = metrics["reward/kl"] if algo.kl_penalty == "reward" else metrics["actor/kl"]
+                self.kl_coef = adaptive_kl_coef(
+                    self.kl_coef, observed, algo.kl_target, algo.kl_horizon, len(batch)
+                )
 
         step_time = time.perf_counter() - start
-        lengths = batch["response_mask"].sum(dim=1).float()
         tokens = float(lengths.sum() + batch["prompt_mask"].sum())
-        metrics = {
+        group_size = cfg.rollout.num_return_sequences
+        if not torch.equal(shaped, scores):
+            metrics["reward/shaped_mean"] = shaped.mean().item()
+        return {
             "reward/mean": scores.mean().item(),
             "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
-            "reward/all_same_group_frac": _all_same_group_fraction(scores, cfg.rollout.num_return_sequences),
+            "reward/all_same_group_frac": _all_same_group_fraction(scores, group_size),
             "response/length_mean": lengths.mean().item(),
             "response/truncated_frac": sum(r == "length" for r in batch["finish_reason"]) / len(batch),
-            **{f"actor/{k}": v for k, v in train_metrics.items()},
+            **advantage_metrics(advantages, returns, mask),
+            **metrics,
             **timer.metrics(),
             "time/step_s": step_time,
             "throughput/tokens_per_s": tokens / step_time,
         }
-        return metrics
-
-    def _advantages(self, batch: Batch, scores: torch.Tensor) -> torch.Tensor:
-        """Outcome reward on the last response token, then the configured estimator."""
-        algo = self.config.algorithm
-        mask = batch["response_mask"].float()
-        last = (mask.sum(dim=1).long() - 1).clamp(min=0)
-        token_rewards = torch.zeros_like(mask)
-        token_rewards[torch.arange(len(batch)), last] = scores
-        estimator = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)
-        params: dict[str, Any] = (
-            {"norm_adv_by_std": algo.norm_adv_by_std} if algo.advantage_estimator == "grpo" else {}
-        )
-        advantages, _returns = estimator(token_rewards, mask, batch["group_index"], **params)
-        return advantages
 
     def evaluate(self) -> dict[str, float]:
         assert self.eval_prompts is not None
@@ -246,7 +279,7 @@ class RLVRPipeline:
         results["eval/best"] = max(best, score)
 
     def shutdown(self) -> None:
-        for cluster in (self.actor, self.rollout, self.reward, self.reference):
+        for cluster in (self.actor, self.critic, self.rollout, self.reward, self.reference):
             if cluster is not None:
                 cluster.kill()
 
@@ -256,6 +289,20 @@ class _Holder:
     """Config object for model-only workers (reference, rollout)."""
 
     model: ModelSpec
+
+
+def _trainer_fields(section: Any, model: ModelSpec, samples: int, steps: int, timeout_s: float) -> dict:
+    """TrainerSpec fields from an ``actor``/``critic`` config section; the LR schedule spans every
+    optimizer step of the run."""
+    updates_per_step = section.ppo_epochs * (samples // (section.mini_batch_size or samples))
+    return {
+        "model": model,
+        "optimizer": OptimizerSpec.from_config(section, total_steps=steps * updates_per_step),
+        "micro_batch_size": section.micro_batch_size,
+        "ppo_epochs": section.ppo_epochs,
+        "mini_batch_size": section.mini_batch_size,
+        "collective_timeout_s": timeout_s,
+    }
 
 
 def _all_same_group_fraction(scores: torch.Tensor, group_size: int) -> float:

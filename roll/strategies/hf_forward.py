@@ -14,15 +14,16 @@ from roll.data.batch import Batch
 from roll.data.padding import position_ids_from_mask
 
 
-def response_logprobs(
-    model: torch.nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probabilities [B, R] of the response tokens under ``model`` (logits divided by ``temperature``,
-    as the sampler did), and their entropy [B, R] when asked. Positions past the response are 0."""
+def _response_outputs(
+    model: torch.nn.Module, batch: Batch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run ``model`` on prompt + response; returns the per-position outputs [B, L, ...] that *predict* each
+    response token (position t-1 for token t), with the response ids and mask cut to that length L.
+
+    Trailing all-padding response columns cost compute and change nothing, so they are dropped; callers
+    pad their results back to the full width with ``_pad_to``."""
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
     response_ids, response_mask = batch["response_ids"], batch["response_mask"]
-    # Trailing all-padding response columns cost compute and change nothing: drop them, pad back after.
-    full_length = response_ids.shape[1]
     length = int(response_mask.sum(dim=1).max().item()) if response_mask.numel() else 0
     length = max(length, 1)
     response_ids, response_mask = response_ids[:, :length], response_mask[:, :length]
@@ -30,17 +31,36 @@ def response_logprobs(
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     position_ids = position_ids_from_mask(attention_mask)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    # The token at position t is predicted by the logits at t-1.
+    outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     prompt_length = prompt_ids.shape[1]
-    logits = logits[:, prompt_length - 1 : prompt_length - 1 + length].float()
+    return outputs[:, prompt_length - 1 : prompt_length - 1 + length], response_ids, response_mask
+
+
+def _pad_to(values: torch.Tensor, width: int) -> torch.Tensor:
+    return (
+        torch.nn.functional.pad(values, (0, width - values.shape[1])) if values.shape[1] < width else values
+    )
+
+
+def response_logprobs(
+    model: torch.nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities [B, R] of the response tokens under ``model`` (logits divided by ``temperature``,
+    as the sampler did), and their entropy [B, R] when asked. Positions past the response are 0."""
+    logits, response_ids, response_mask = _response_outputs(model, batch)
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    logprobs = logprobs_from_logits(logits, response_ids) * response_mask
-    entropy = entropy_from_logits(logits) * response_mask if with_entropy else None
-
-    pad = full_length - length
-    if pad:
-        logprobs = torch.nn.functional.pad(logprobs, (0, pad))
-        entropy = torch.nn.functional.pad(entropy, (0, pad)) if entropy is not None else None
+    width = batch["response_ids"].shape[1]
+    logprobs = _pad_to(logprobs_from_logits(logits, response_ids) * response_mask, width)
+    entropy = _pad_to(entropy_from_logits(logits) * response_mask, width) if with_entropy else None
     return logprobs, entropy
+
+
+def response_values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Values [B, R] from a value model (one scalar head per position, see ``load_value_model``): the
+    value of the state *before* each response token, read where that token is predicted. 0 past the
+    response."""
+    outputs, _, response_mask = _response_outputs(model, batch)
+    values = outputs[..., 0].float() * response_mask
+    return _pad_to(values, batch["response_ids"].shape[1])

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -21,15 +22,25 @@ class Registry(Generic[T]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._entries: dict[str, T] = {}
+        self._traits: dict[str, dict[str, Any]] = {}
 
-    def register(self, name: str) -> Callable[[T], T]:
+    def register(self, name: str, **traits: Any) -> Callable[[T], T]:
+        """Decorator adding ``obj`` under ``name``; ``traits`` are facts the caller checks before use
+        (e.g. an advantage estimator's ``needs_values=True``), read back with ``traits(name)``."""
+
         def decorator(obj: T) -> T:
             if name in self._entries:
                 raise ValueError(f"{self.kind} '{name}' is registered twice")
             self._entries[name] = obj
+            self._traits[name] = traits
             return obj
 
         return decorator
+
+    def traits(self, name: str) -> dict[str, Any]:
+        """The keyword arguments ``name`` was registered with (empty when none)."""
+        self.get(name)  # the same unknown-name error as get()
+        return dict(self._traits[name])
 
     def get(self, name: str) -> T:
         if name not in self._entries:
@@ -47,3 +58,14 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+
+def accepted_kwargs(fn: Callable[..., Any], available: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``available`` that ``fn`` declares as parameters (all of it if ``fn`` takes
+    ``**kwargs``). Lets the config offer every knob while each registered function names only the ones
+    it uses, so a user's function receives e.g. ``gamma`` just by declaring it."""
+    parameters = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return dict(available)
+    names = {p.name for p in parameters}
+    return {k: v for k, v in available.items() if k in names}

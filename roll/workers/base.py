@@ -35,7 +35,7 @@ class ModelWorker(Worker):
     def setup(self, **_: object) -> None:
         from transformers.utils import logging as hf_logging
 
-        from roll.models.loading import load_causal_lm, load_tokenizer
+        from roll.models.loading import load_tokenizer
 
         # Per-shard progress bars from every worker would bury the training metrics.
         hf_logging.disable_progress_bar()
@@ -46,8 +46,14 @@ class ModelWorker(Worker):
         torch.manual_seed(spec.seed + self.rank)
         self.device = pick_device()
         self.tokenizer = load_tokenizer(spec.path)
-        self.model = load_causal_lm(spec.path, dtype=spec.dtype, device=self.device)
+        self.model = self.load_model(spec)
         self.model.eval()
+
+    def load_model(self, spec: ModelSpec) -> torch.nn.Module:
+        """The worker's model on ``self.device``: a causal LM here; the critic loads a value model."""
+        from roll.models.loading import load_causal_lm
+
+        return load_causal_lm(spec.path, dtype=spec.dtype, device=self.device)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:

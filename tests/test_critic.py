@@ -1,0 +1,105 @@
+"""The value model and the critic worker: loading with a fresh head, per-token values, training on
+returns, and data-parallel training equal to one rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from roll.config.common import TinyModelConfig
+from roll.data.batch import Batch
+from roll.distributed.cluster import Cluster
+from roll.models.loading import load_tokenizer, load_value_model
+from roll.models.tiny import save_tiny_model
+from roll.pipelines.common import PromptSet, prompt_batch, render_prompt, response_tensors
+from roll.strategies.hf_forward import response_values
+from roll.workers.base import ModelSpec
+from roll.workers.critic import CriticSpec, CriticWorker
+from roll.workers.trainer import OptimizerSpec
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    cfg = TinyModelConfig(
+        alphabet="0123456789+",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    return str(save_tiny_model(cfg, tmp_path_factory.mktemp("models") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def batch(model_path) -> Batch:
+    """Four prompts with responses of different lengths; returns are each response's target value."""
+    tokenizer = load_tokenizer(model_path)
+    rows = [{"prompt": f"{a}+{b}"} for a, b in [(1, 2), (30, 4), (55, 45), (9, 9)]]
+    texts = [render_prompt(tokenizer, r["prompt"], True) for r in rows]
+    prompts = PromptSet(rows, texts, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts])
+    batch = prompt_batch(prompts, [0, 1, 2, 3], tokenizer.pad_token_id)
+    for key, value in response_tensors(tokenizer, ["3", "34", "100", "18"], length=5).items():
+        batch[key] = value
+    mask = batch["response_mask"].float()
+    batch["returns"] = torch.tensor([[1.0], [0.0], [1.0], [0.5]]) * mask
+    return batch
+
+
+def test_value_model_starts_at_zero_and_saves_its_head(model_path, batch, tmp_path):
+    model = load_value_model(model_path)
+    values = response_values(model, batch)
+    assert values.shape == batch["response_ids"].shape
+    assert torch.count_nonzero(values) == 0, "a fresh zero-initialised head gives zero values"
+    with torch.no_grad():
+        model.score.bias.fill_(0.5)
+    model.save_pretrained(tmp_path / "critic")
+    load_tokenizer(model_path).save_pretrained(tmp_path / "critic")
+    reloaded = response_values(load_value_model(tmp_path / "critic"), batch)
+    mask = batch["response_mask"].bool()
+    assert torch.allclose(reloaded[mask], torch.full_like(reloaded[mask], 0.5), atol=1e-6)
+    assert torch.count_nonzero(reloaded[~mask]) == 0, "values past the response are 0"
+
+
+def critic_spec(model_path: str) -> CriticSpec:
+    return CriticSpec(
+        model=ModelSpec(path=model_path),
+        optimizer=OptimizerSpec(lr=3e-2, total_steps=100),
+        micro_batch_size=2,
+        value_clip=0.0,
+    )
+
+
+def train_critic(
+    model_path: str, batch: Batch, world_size: int, steps: int
+) -> tuple[list[dict], torch.Tensor]:
+    critic = Cluster("critic", CriticWorker, world_size, critic_spec(model_path))
+    try:
+        master = critic.master_address() if world_size > 1 else (None, None)
+        critic.setup(master_addr=master[0], master_port=master[1])
+        history = []
+        for _ in range(steps):
+            batch["values"] = critic.compute_values(batch)["values"]
+            history.append(critic.train_step(batch))
+        return history, critic.compute_values(batch)["values"]
+    finally:
+        critic.kill()
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_critic_learns_the_returns(model_path, batch):
+    history, values = train_critic(model_path, batch, world_size=1, steps=30)
+    losses = [row["loss"] for row in history]
+    assert losses[-1] < 0.1 * losses[0], losses
+    mask = batch["response_mask"].bool()
+    assert torch.allclose(values[mask], batch["returns"][mask], atol=0.15)
+    assert history[-1]["explained_variance"] > 0.8
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_two_rank_critic_equals_one_rank(model_path, batch):
+    one, one_values = train_critic(model_path, batch, world_size=1, steps=3)
+    two, two_values = train_critic(model_path, batch, world_size=2, steps=3)
+    assert pytest.approx([r["loss"] for r in one], abs=1e-5) == [r["loss"] for r in two]
+    torch.testing.assert_close(one_values, two_values, atol=1e-4, rtol=1e-4)
