@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from roll.config.rlvr import AlgorithmConfig, RewardShapingConfig
-from roll.pipelines.credit import compute_advantages, kl_per_token, outcome_token_rewards, shape_scores
+from roll.pipelines.credit import (
+    compute_advantages,
+    kl_per_token,
+    outcome_token_rewards,
+    shape_scores,
+    shaping_enabled,
+)
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.float32)
 
@@ -73,3 +79,9 @@ def test_gae_gets_values_gamma_and_lambda():
     )
     # Row 0: the score is 2 tokens after the first one, discounted by 0.5 ** 2.
     assert half[0, 0].item() == pytest.approx(0.25 - 0.25)
+
+
+def test_shaping_enabled_by_any_option():
+    assert not shaping_enabled(RewardShapingConfig())
+    for option in ({"overlong_buffer": 2}, {"length_penalty_coef": 0.1}, {"normalize": True}, {"clip": 1.0}):
+        assert shaping_enabled(RewardShapingConfig(**option)), option

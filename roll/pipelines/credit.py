@@ -16,6 +16,12 @@ from roll.config.rlvr import AlgorithmConfig, RewardShapingConfig
 from roll.utils.registry import accepted_kwargs
 
 
+def shaping_enabled(shaping: RewardShapingConfig) -> bool:
+    """Whether any shaping option is set (then ``reward/shaped_mean`` is logged every step)."""
+    penalties = bool(shaping.overlong_buffer or shaping.length_penalty_coef)
+    return penalties or shaping.normalize or shaping.clip is not None
+
+
 def shape_scores(
     scores: torch.Tensor, lengths: torch.Tensor, shaping: RewardShapingConfig, max_new_tokens: int
 ) -> torch.Tensor:
