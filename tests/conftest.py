@@ -1,4 +1,4 @@
-"""Shared fixtures: one local Ray for the whole test session, and the repository root."""
+"""Shared fixtures: one local Ray for the whole test session, the repository root, a tiny model."""
 
 from __future__ import annotations
 
@@ -45,3 +45,36 @@ def ray_session() -> Iterator[None]:
     yield
     if started_here:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_address(ray_session: None) -> str:
+    """The session Ray's address: a ``roll train`` subprocess given it as RAY_ADDRESS joins that Ray
+    (as a job joins an existing cluster) instead of starting its own."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address
+
+
+@pytest.fixture
+def at_repo_root(monkeypatch: pytest.MonkeyPatch, repo_root: Path) -> None:
+    """Config paths (examples/data/...) are relative to the working directory: run from the repo root."""
+    monkeypatch.chdir(repo_root)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A one-layer tiny model (digits and '+') saved in Hugging Face format, shared by worker tests."""
+    from roll.config.common import TinyModelConfig
+    from roll.models.tiny import save_tiny_model
+
+    cfg = TinyModelConfig(
+        alphabet="0123456789+",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    return str(save_tiny_model(cfg, tmp_path_factory.mktemp("models") / "tiny"))

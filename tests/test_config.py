@@ -27,10 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = "examples/quickstart.yaml"
 
 
-@pytest.fixture(autouse=True)
-def _at_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Config paths (examples/data/...) are relative to the working directory: run from the repo root."""
-    monkeypatch.chdir(REPO_ROOT)
+pytestmark = pytest.mark.usefixtures("at_repo_root")
 
 
 def load_error(overrides: list[str], path: str = QUICKSTART) -> str:

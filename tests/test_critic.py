@@ -6,11 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from roll.config.common import TinyModelConfig
 from roll.data.batch import Batch
 from roll.distributed.cluster import Cluster
 from roll.models.loading import load_tokenizer, load_value_model
-from roll.models.tiny import save_tiny_model
 from roll.pipelines.common import PromptSet, prompt_batch, render_prompt, response_tensors
 from roll.strategies.hf_forward import response_values
 from roll.workers.base import ModelSpec
@@ -19,17 +17,8 @@ from roll.workers.trainer import OptimizerSpec
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    cfg = TinyModelConfig(
-        alphabet="0123456789+",
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        max_position_embeddings=32,
-    )
-    return str(save_tiny_model(cfg, tmp_path_factory.mktemp("models") / "tiny"))
+def model_path(tiny_model_path: str) -> str:
+    return tiny_model_path
 
 
 @pytest.fixture(scope="module")

@@ -62,12 +62,8 @@ def test_sft_pipeline_learns_and_saves_a_loadable_model(repo_root, tmp_path):
 
 
 @pytest.mark.slow
-def test_rlvr_with_kl_minibatches_and_several_ranks_per_role(repo_root, tmp_path, ray_session):
-    import ray
-
+def test_rlvr_with_kl_minibatches_and_several_ranks_per_role(repo_root, tmp_path, ray_address):
     out = tmp_path / "rlvr"
-    # The run joins the test session's Ray through RAY_ADDRESS, as a job joins an existing cluster.
-    address = ray.get_runtime_context().gcs_address
     roll_train(
         repo_root,
         "examples/quickstart.yaml",
@@ -84,7 +80,7 @@ def test_rlvr_with_kl_minibatches_and_several_ranks_per_role(repo_root, tmp_path
         "actor.world_size=2",
         "rollout.world_size=2",
         "reward_world_size=2",
-        env={"RAY_ADDRESS": address},
+        env={"RAY_ADDRESS": ray_address},
     )
     rows = [row for row in metrics(out) if "time/step_s" in row]
     assert len(rows) == 3
@@ -97,9 +93,7 @@ def test_rlvr_with_kl_minibatches_and_several_ranks_per_role(repo_root, tmp_path
 
 
 @pytest.mark.slow
-def test_worker_failure_exits_with_an_error_naming_role_and_rank(repo_root, tmp_path, ray_session):
-    import ray
-
+def test_worker_failure_exits_with_an_error_naming_role_and_rank(repo_root, tmp_path, ray_address):
     # Rows have an answer, so they load; numeric_match then fails on the worker: the answer is no number.
     rows = tmp_path / "words.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"{i}+{i}", "answer": "many"}) + "\n" for i in range(16)))
@@ -114,7 +108,7 @@ def test_worker_failure_exits_with_an_error_naming_role_and_rank(repo_root, tmp_
         "reward=numeric_match",
         "steps=2",
         "tracking.backends=[jsonl]",
-        env={"RAY_ADDRESS": ray.get_runtime_context().gcs_address},
+        env={"RAY_ADDRESS": ray_address},
         returncode=1,
     )
     assert "error: reward rank 0 failed in compute_rewards()" in result.stderr
@@ -145,9 +139,7 @@ def test_rows_missing_a_field_the_reward_reads_fail_at_load_naming_file_and_line
 
 
 @pytest.mark.slow
-def test_a_reward_from_the_users_own_module_runs_on_the_workers(repo_root, tmp_path, ray_session):
-    import ray
-
+def test_a_reward_from_the_users_own_module_runs_on_the_workers(repo_root, tmp_path, ray_address):
     # A module next to the user (the working directory), not installed anywhere.
     (tmp_path / "my_rewards.py").write_text(
         "from roll.rewards import REWARD_FUNCTIONS\n\n\n"
@@ -171,7 +163,7 @@ def test_a_reward_from_the_users_own_module_runs_on_the_workers(repo_root, tmp_p
         "eval.every_steps=0",
         "eval.max_prompts=8",
         "tracking.backends=[jsonl]",
-        env={"RAY_ADDRESS": ray.get_runtime_context().gcs_address},
+        env={"RAY_ADDRESS": ray_address},
         cwd=tmp_path,
     )
     rows = [row for row in metrics(out) if "reward/mean" in row]

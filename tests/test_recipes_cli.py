@@ -20,15 +20,9 @@ RECIPE_METRICS = {
 }
 
 
-def ray_address() -> str:
-    import ray
-
-    return ray.get_runtime_context().gcs_address
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_trains_two_steps(recipe, repo_root, tmp_path, ray_session):
+def test_recipe_trains_two_steps(recipe, repo_root, tmp_path, ray_address):
     out = tmp_path / recipe
     roll_train(
         repo_root,
@@ -39,7 +33,7 @@ def test_recipe_trains_two_steps(recipe, repo_root, tmp_path, ray_session):
         "eval.every_steps=0",
         "eval.max_prompts=8",
         "tracking.backends=[jsonl]",
-        env={"RAY_ADDRESS": ray_address()},
+        env={"RAY_ADDRESS": ray_address},
     )
     train_rows = [row for row in metrics(out) if "actor/loss" in row]
     assert [row["step"] for row in train_rows] == [1, 2]
@@ -83,7 +77,7 @@ def test_recipe_trains_two_steps(recipe, repo_root, tmp_path, ray_session):
     ],
     ids=["dual_clip_tis_adaptive_kl", "cispo_kl_in_reward_shaping"],
 )
-def test_algorithm_knobs_reach_the_workers(overrides, expected_metrics, repo_root, tmp_path, ray_session):
+def test_algorithm_knobs_reach_the_workers(overrides, expected_metrics, repo_root, tmp_path, ray_address):
     out = tmp_path / "run"
     roll_train(
         repo_root,
@@ -95,7 +89,7 @@ def test_algorithm_knobs_reach_the_workers(overrides, expected_metrics, repo_roo
         "eval.max_prompts=8",
         "tracking.backends=[jsonl]",
         *overrides,
-        env={"RAY_ADDRESS": ray_address()},
+        env={"RAY_ADDRESS": ray_address},
     )
     rows = [row for row in metrics(out) if "actor/loss" in row]
     assert len(rows) == 3
@@ -108,7 +102,7 @@ def test_algorithm_knobs_reach_the_workers(overrides, expected_metrics, repo_roo
 
 
 @pytest.mark.slow
-def test_docs_example_estimator_and_loss_train_through_the_cli(repo_root, tmp_path, ray_session):
+def test_docs_example_estimator_and_loss_train_through_the_cli(repo_root, tmp_path, ray_address):
     """The plug-in example in docs/algorithms.md, copied from the page, runs as written."""
     page = (repo_root / "docs" / "algorithms.md").read_text()
     code = page.split("```python\n# my_algos.py\n", 1)[1].split("```", 1)[0]
@@ -128,7 +122,7 @@ def test_docs_example_estimator_and_loss_train_through_the_cli(repo_root, tmp_pa
         "eval.every_steps=0",
         "eval.max_prompts=8",
         "tracking.backends=[jsonl]",
-        env={"RAY_ADDRESS": ray_address()},
+        env={"RAY_ADDRESS": ray_address},
         cwd=tmp_path,
     )
     rows = [row for row in metrics(out) if "actor/loss" in row]
@@ -138,7 +132,7 @@ def test_docs_example_estimator_and_loss_train_through_the_cli(repo_root, tmp_pa
 
 
 @pytest.fixture(scope="module")
-def warm_start_model(repo_root, tmp_path_factory, ray_session) -> Path:
+def warm_start_model(repo_root, tmp_path_factory, ray_address) -> Path:
     """The quickstart's SFT warm start (held-out score about 0.2), made once for the learning tests."""
     out = tmp_path_factory.mktemp("warm_start")
     roll_train(
@@ -149,14 +143,14 @@ def warm_start_model(repo_root, tmp_path_factory, ray_session) -> Path:
         "eval.every_steps=0",
         "eval.max_prompts=8",
         "tracking.backends=[jsonl]",
-        env={"RAY_ADDRESS": ray_address()},
+        env={"RAY_ADDRESS": ray_address},
     )
     return out / "sft" / "model"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("recipe", "steps"), [("ppo", 1000), ("rloo", 1000)])
-def test_recipe_raises_the_held_out_score(recipe, steps, warm_start_model, repo_root, tmp_path, ray_session):
+def test_recipe_raises_the_held_out_score(recipe, steps, warm_start_model, repo_root, tmp_path, ray_address):
     """PPO (critic + GAE) and a GRPO-family recipe learn from the same warm start (measured in
     docs/algorithms.md: both climb about +0.1 to +0.2 by step 1000)."""
     out = tmp_path / recipe
@@ -170,7 +164,7 @@ def test_recipe_raises_the_held_out_score(recipe, steps, warm_start_model, repo_
         f"steps={steps}",
         f"eval.every_steps={steps // 2}",
         "tracking.backends=[jsonl]",
-        env={"RAY_ADDRESS": ray_address()},
+        env={"RAY_ADDRESS": ray_address},
     )
     evals = [(row["step"], row["eval/score"]) for row in metrics(out) if "eval/score" in row]
     assert [step for step, _ in evals] == [0, steps // 2, steps]

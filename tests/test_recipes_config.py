@@ -6,23 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_config import QUICKSTART, REPO_ROOT, load_error
 
-from roll.config import ConfigError, load_config
+from roll.config import load_config
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = "examples/quickstart.yaml"
+pytestmark = pytest.mark.usefixtures("at_repo_root")
 RECIPES = sorted(path.stem for path in (REPO_ROOT / "examples" / "recipes").glob("*.yaml"))
-
-
-@pytest.fixture(autouse=True)
-def _at_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(REPO_ROOT)
-
-
-def load_error(overrides: list[str], path: str = QUICKSTART) -> str:
-    with pytest.raises(ConfigError) as info:
-        load_config(path, overrides)
-    return str(info.value)
 
 
 def test_every_named_recipe_is_shipped() -> None:
@@ -111,7 +100,7 @@ def test_base_cycle_is_reported(tmp_path: Path) -> None:
         (["algorithm.advantage_estimator=gae", "critic.lr=0"], ["critic.lr must be > 0"]),
         (
             ["algorithm.advantage_estimator=gae", "critic.model_path=/not/a/model"],
-            ["model.path", "/not/a/model"],
+            ["critic.model_path", "/not/a/model"],
         ),
     ],
 )

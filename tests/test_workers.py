@@ -7,13 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from roll.config.common import TinyModelConfig
 from roll.config.rlvr import AlgorithmConfig
 from roll.data.batch import Batch
 from roll.distributed.cluster import Cluster, WorkerError
 from roll.distributed.weight_sync import sync_weights
 from roll.models.loading import load_tokenizer
-from roll.models.tiny import save_tiny_model
 from roll.pipelines.common import PromptSet, prompt_batch, render_prompt, response_tensors
 from roll.strategies.sampling import SamplingParams
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
@@ -30,17 +28,8 @@ class Holder:
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    cfg = TinyModelConfig(
-        alphabet="0123456789+",
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        max_position_embeddings=32,
-    )
-    return str(save_tiny_model(cfg, tmp_path_factory.mktemp("models") / "tiny"))
+def model_path(tiny_model_path: str) -> str:
+    return tiny_model_path
 
 
 @pytest.fixture(scope="module")

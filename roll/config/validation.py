@@ -6,7 +6,6 @@ losses, rewards) are checked too; that imports the pure algorithm modules, which
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from roll.config.common import EvalConfig, ModelConfig
@@ -18,13 +17,16 @@ from roll.utils.registry import Registry
 def check_model(model: ModelConfig) -> list[str]:
     if model.path is None and model.tiny is None:
         return ["model: set model.path to a local Hugging Face model directory (or model.tiny to build one)"]
-    if model.path is not None:
-        from roll.models.loading import ModelPathError, check_model_path
+    return check_model_dir("model.path", model.path) if model.path is not None else []
 
-        try:
-            check_model_path(model.path)
-        except ModelPathError as e:
-            return [f"model.path: {e}"]
+
+def check_model_dir(key: str, path: str) -> list[str]:
+    from roll.models.loading import ModelPathError, check_model_path
+
+    try:
+        check_model_path(path)
+    except ModelPathError as e:
+        return [f"{key}: {e}"]
     return []
 
 
@@ -223,7 +225,7 @@ def validate_rlvr(cfg: RLVRConfig) -> list[str]:
     if cfg.critic is not None:
         problems += check_trainer("critic", cfg.critic)
         if cfg.critic.model_path is not None:
-            problems += check_model(dataclasses.replace(cfg.model, path=cfg.critic.model_path))
+            problems += check_model_dir("critic.model_path", cfg.critic.model_path)
     if problems:
         return problems
     samples = rollout.rollout_batch_size * rollout.num_return_sequences
