@@ -114,8 +114,9 @@ class RLVRPipeline:
         # With one optimizer step per rollout batch the "old" policy is the current one: its logprobs
         # come free inside the train step, so the extra forward pass is skipped. A KL in the reward
         # needs them before the update, so it keeps the pass.
-        updates_per_step = cfg.actor.ppo_epochs * (samples // (cfg.actor.mini_batch_size or samples))
-        self.needs_old_logprobs = updates_per_step > 1 or (algo.kl_coef > 0 and algo.kl_penalty == "reward")
+        self.needs_old_logprobs = _updates_per_step(cfg.actor, samples) > 1 or (
+            algo.kl_coef > 0 and algo.kl_penalty == "reward"
+        )
         self.kl_coef = algo.kl_coef  # moves each step when algorithm.kl_target is set
         timeout = cfg.ray.call_timeout_s
         cluster = functools.partial(Cluster, timeout_s=timeout, plugins=cfg.imports)
@@ -299,13 +300,19 @@ class _Holder:
     model: ModelSpec
 
 
+def _updates_per_step(section: Any, samples: int) -> int:
+    """Optimizer steps an ``actor``/``critic`` section makes on one rollout batch of ``samples``."""
+    return section.ppo_epochs * (samples // (section.mini_batch_size or samples))
+
+
 def _trainer_fields(section: Any, model: ModelSpec, samples: int, steps: int, timeout_s: float) -> dict:
     """TrainerSpec fields from an ``actor``/``critic`` config section; the LR schedule spans every
     optimizer step of the run."""
-    updates_per_step = section.ppo_epochs * (samples // (section.mini_batch_size or samples))
     return {
         "model": model,
-        "optimizer": OptimizerSpec.from_config(section, total_steps=steps * updates_per_step),
+        "optimizer": OptimizerSpec.from_config(
+            section, total_steps=steps * _updates_per_step(section, samples)
+        ),
         "micro_batch_size": section.micro_batch_size,
         "ppo_epochs": section.ppo_epochs,
         "mini_batch_size": section.mini_batch_size,
