@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from test_algorithms import _outcome_rewards, close
 
 from roll.algorithms import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, aggregation_count
 from roll.algorithms.advantages import clip_advantages, whiten_advantages
@@ -21,25 +22,6 @@ from roll.utils.registry import accepted_kwargs
 ESTIMATOR_PARAMS = {"values": None, "gamma": 1.0, "lam": 1.0, "norm_adv_by_std": True}
 LOSS_PARAMS = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
 METRIC_KEYS = {"clip_frac", "approx_kl", "ratio_mean", "ratio_max"}
-
-
-def close(actual: torch.Tensor | float, expected, atol: float = 1e-5) -> None:
-    torch.testing.assert_close(
-        torch.as_tensor(actual, dtype=torch.float32),
-        torch.as_tensor(expected, dtype=torch.float32),
-        atol=atol,
-        rtol=0.0,
-    )
-
-
-def _outcome_rewards(scores: list[float], lengths: list[int], width: int = 3):
-    """Rewards on the last response token of each row, plus the matching response mask."""
-    rewards = torch.zeros(len(scores), width)
-    mask = torch.zeros(len(scores), width)
-    for row, (score, length) in enumerate(zip(scores, lengths, strict=True)):
-        mask[row, :length] = 1.0
-        rewards[row, length - 1] = score
-    return rewards, mask
 
 
 def _estimate(name: str, rewards, mask, group_index, **params):

@@ -17,14 +17,9 @@ from roll.workers.trainer import OptimizerSpec
 
 
 @pytest.fixture(scope="module")
-def model_path(tiny_model_path: str) -> str:
-    return tiny_model_path
-
-
-@pytest.fixture(scope="module")
-def batch(model_path) -> Batch:
+def batch(tiny_model_path) -> Batch:
     """Four prompts with responses of different lengths; returns are each response's target value."""
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(tiny_model_path)
     rows = [{"prompt": f"{a}+{b}"} for a, b in [(1, 2), (30, 4), (55, 45), (9, 9)]]
     texts = [render_prompt(tokenizer, r["prompt"], True) for r in rows]
     prompts = PromptSet(rows, texts, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts])
@@ -36,24 +31,24 @@ def batch(model_path) -> Batch:
     return batch
 
 
-def test_value_model_starts_at_zero_and_saves_its_head(model_path, batch, tmp_path):
-    model = load_value_model(model_path)
+def test_value_model_starts_at_zero_and_saves_its_head(tiny_model_path, batch, tmp_path):
+    model = load_value_model(tiny_model_path)
     values = response_values(model, batch)
     assert values.shape == batch["response_ids"].shape
     assert torch.count_nonzero(values) == 0, "a fresh zero-initialised head gives zero values"
     with torch.no_grad():
         model.score.bias.fill_(0.5)
     model.save_pretrained(tmp_path / "critic")
-    load_tokenizer(model_path).save_pretrained(tmp_path / "critic")
+    load_tokenizer(tiny_model_path).save_pretrained(tmp_path / "critic")
     reloaded = response_values(load_value_model(tmp_path / "critic"), batch)
     mask = batch["response_mask"].bool()
     assert torch.allclose(reloaded[mask], torch.full_like(reloaded[mask], 0.5), atol=1e-6)
     assert torch.count_nonzero(reloaded[~mask]) == 0, "values past the response are 0"
 
 
-def critic_spec(model_path: str) -> CriticSpec:
+def critic_spec(tiny_model_path: str) -> CriticSpec:
     return CriticSpec(
-        model=ModelSpec(path=model_path),
+        model=ModelSpec(path=tiny_model_path),
         optimizer=OptimizerSpec(lr=3e-2, total_steps=100),
         micro_batch_size=2,
         value_clip=0.0,
@@ -61,9 +56,9 @@ def critic_spec(model_path: str) -> CriticSpec:
 
 
 def train_critic(
-    model_path: str, batch: Batch, world_size: int, steps: int
+    tiny_model_path: str, batch: Batch, world_size: int, steps: int
 ) -> tuple[list[dict], torch.Tensor]:
-    critic = Cluster("critic", CriticWorker, world_size, critic_spec(model_path))
+    critic = Cluster("critic", CriticWorker, world_size, critic_spec(tiny_model_path))
     try:
         master = critic.master_address() if world_size > 1 else (None, None)
         critic.setup(master_addr=master[0], master_port=master[1])
@@ -77,8 +72,8 @@ def train_critic(
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_critic_learns_the_returns(model_path, batch):
-    history, values = train_critic(model_path, batch, world_size=1, steps=30)
+def test_critic_learns_the_returns(tiny_model_path, batch):
+    history, values = train_critic(tiny_model_path, batch, world_size=1, steps=30)
     losses = [row["loss"] for row in history]
     assert losses[-1] < 0.1 * losses[0], losses
     mask = batch["response_mask"].bool()
@@ -87,8 +82,8 @@ def test_critic_learns_the_returns(model_path, batch):
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_two_rank_critic_equals_one_rank(model_path, batch):
-    one, one_values = train_critic(model_path, batch, world_size=1, steps=3)
-    two, two_values = train_critic(model_path, batch, world_size=2, steps=3)
+def test_two_rank_critic_equals_one_rank(tiny_model_path, batch):
+    one, one_values = train_critic(tiny_model_path, batch, world_size=1, steps=3)
+    two, two_values = train_critic(tiny_model_path, batch, world_size=2, steps=3)
     assert pytest.approx([r["loss"] for r in one], abs=1e-5) == [r["loss"] for r in two]
     torch.testing.assert_close(one_values, two_values, atol=1e-4, rtol=1e-4)

@@ -28,21 +28,16 @@ class Holder:
 
 
 @pytest.fixture(scope="module")
-def model_path(tiny_model_path: str) -> str:
-    return tiny_model_path
-
-
-@pytest.fixture(scope="module")
-def prompts(model_path) -> PromptSet:
-    tokenizer = load_tokenizer(model_path)
+def prompts(tiny_model_path) -> PromptSet:
+    tokenizer = load_tokenizer(tiny_model_path)
     rows = [{"prompt": f"{a}+{b}", "answer": str(a + b)} for a, b in [(1, 2), (30, 4), (55, 45), (9, 9)]]
     texts = [render_prompt(tokenizer, r["prompt"], True) for r in rows]
     return PromptSet(rows, texts, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts])
 
 
-def actor_spec(model_path: str, lr: float = 1e-2) -> ActorSpec:
+def actor_spec(tiny_model_path: str, lr: float = 1e-2) -> ActorSpec:
     return ActorSpec(
-        model=ModelSpec(path=model_path),
+        model=ModelSpec(path=tiny_model_path),
         optimizer=OptimizerSpec(lr=lr, total_steps=10),
         micro_batch_size=4,
         algorithm=AlgorithmConfig(),
@@ -54,9 +49,9 @@ def sampled_batch(rollout: Cluster, prompts: PromptSet, pad_id: int, repeats: in
     return batch.union(rollout.generate(batch, SamplingParams(max_new_tokens=5)))
 
 
-def test_generate_returns_masked_responses_and_matching_logprobs(model_path, prompts):
-    tokenizer = load_tokenizer(model_path)
-    rollout = Cluster("rollout", RolloutWorker, 2, Holder(ModelSpec(path=model_path)))
+def test_generate_returns_masked_responses_and_matching_logprobs(tiny_model_path, prompts):
+    tokenizer = load_tokenizer(tiny_model_path)
+    rollout = Cluster("rollout", RolloutWorker, 2, Holder(ModelSpec(path=tiny_model_path)))
     try:
         rollout.setup()
         batch = sampled_batch(rollout, prompts, tokenizer.pad_token_id)
@@ -75,10 +70,10 @@ def test_generate_returns_masked_responses_and_matching_logprobs(model_path, pro
         rollout.kill()
 
 
-def test_weight_transfer_makes_rollout_match_trainer(model_path, prompts):
-    tokenizer = load_tokenizer(model_path)
-    actor = Cluster("actor", ActorWorker, 1, actor_spec(model_path))
-    rollout = Cluster("rollout", RolloutWorker, 1, Holder(ModelSpec(path=model_path)))
+def test_weight_transfer_makes_rollout_match_trainer(tiny_model_path, prompts):
+    tokenizer = load_tokenizer(tiny_model_path)
+    actor = Cluster("actor", ActorWorker, 1, actor_spec(tiny_model_path))
+    rollout = Cluster("rollout", RolloutWorker, 1, Holder(ModelSpec(path=tiny_model_path)))
     try:
         actor.setup()
         rollout.setup()
@@ -99,9 +94,9 @@ def test_weight_transfer_makes_rollout_match_trainer(model_path, prompts):
         rollout.kill()
 
 
-def test_two_rank_training_equals_one_rank(model_path, prompts):
+def test_two_rank_training_equals_one_rank(tiny_model_path, prompts):
     """Gradients all-reduced over a global token count: 2 ranks x half batch == 1 rank x whole batch."""
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(tiny_model_path)
     batch = prompt_batch(prompts, list(range(len(prompts))), tokenizer.pad_token_id)
     # Unequal response lengths per rank make a per-rank mean differ from the global token mean.
     answers = ["3", "34", "100", "18"]
@@ -109,7 +104,7 @@ def test_two_rank_training_equals_one_rank(model_path, prompts):
         batch[key] = value
 
     def train(world_size: int) -> tuple[list[float], torch.Tensor]:
-        actor = Cluster("actor", ActorWorker, world_size, actor_spec(model_path))
+        actor = Cluster("actor", ActorWorker, world_size, actor_spec(tiny_model_path))
         try:
             master = actor.master_address() if world_size > 1 else (None, None)
             actor.setup(master_addr=master[0], master_port=master[1])
