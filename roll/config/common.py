@@ -55,6 +55,11 @@ class RayConfig:
         None, help="Existing Ray cluster to join (also read from RAY_ADDRESS); a local one starts if unset."
     )
     num_cpus: int | None = option(None, help="CPUs for a locally started Ray; all of them when unset.")
+    num_gpus: int | None = option(
+        None,
+        help="Devices for a locally started Ray; unset detects the GPUs. On a CPU-only machine a number "
+        "declares logical devices, so device_mapping configs run (and place workers) there too.",
+    )
     call_timeout_s: float = option(
         900.0, help="Seconds any remote call may take before the driver raises an error naming role and rank."
     )

@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from roll.config.devices import parse_mapping_strings
 from roll.config.fields import field_docs
 from roll.config.rlvr import RLVRConfig
 from roll.config.sft import SFTConfig
@@ -50,6 +51,10 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Pipel
         schema = PIPELINE_CONFIGS.get(str(pipeline))
     except KeyError as e:
         raise ConfigError(f"{path}: pipeline: {e.args[0]}") from None
+    try:
+        parse_mapping_strings(raw)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
     config = _to_dataclass(schema, raw, source=str(path))
     try:
         import_plugins(config.imports, search_path=os.getcwd())

@@ -14,7 +14,22 @@ from roll.config.sft import SFTTrainConfig
 class RolloutConfig:
     """Sampling from the policy with the inference engine."""
 
-    world_size: int = option(1, help="Rollout (inference) workers; prompts are split across them.")
+    world_size: int | None = option(
+        None,
+        help="Rollout (inference) workers; prompts are split across them. Unset: one per "
+        "num_devices_per_worker devices of device_mapping, or 1.",
+    )
+    device_mapping: list[int] | None = option(
+        None,
+        help="Global device indices for the rollout workers, a list or 'range(0,4)'. Shared with the actor: "
+        "colocated (time-shared); disjoint: disaggregated. Unset: CPU workers (world_size of them).",
+    )
+    num_devices_per_worker: int = option(
+        1, help="Devices per rollout worker (model-parallel inference); device_mapping holds whole workers."
+    )
+    weight_bucket_mb: int = option(
+        256, help="Weight transfer from the trainer: the size of each broadcast bucket in MiB."
+    )
     rollout_batch_size: int = option(8, help="Prompts per training step.")
     num_return_sequences: int = option(8, help="Samples per prompt: the group size for group baselines.")
     max_new_tokens: int = option(16, help="Longest sampled response in tokens.")
@@ -27,7 +42,14 @@ class RolloutConfig:
 class ActorConfig:
     """The trained policy: PPO-style updates on the rollout batch."""
 
-    world_size: int = option(1, help="Data-parallel training ranks.")
+    world_size: int | None = option(
+        None, help="Data-parallel (FSDP2) training ranks. Unset: one per device of device_mapping, or 1."
+    )
+    device_mapping: list[int] | None = option(
+        None,
+        help="Global device indices of the training ranks, a list or 'range(0,4)'; the reference model "
+        "shares them. Unset: CPU ranks (world_size of them).",
+    )
     lr: float = option(1e-5, help="Peak learning rate (AdamW); RL wants 10-100x less than SFT.")
     weight_decay: float = option(0.0, help="AdamW weight decay.")
     warmup_steps: int = option(0, help="Linear warmup steps.")
@@ -41,6 +63,11 @@ class ActorConfig:
     )
     micro_batch_size: int = option(
         64, help="Samples per forward/backward on one rank (gradient accumulation)."
+    )
+    micro_batch_tokens: int | None = option(
+        None,
+        help="Dynamic micro-batches: pack samples up to this many real (prompt + response) tokens per "
+        "forward/backward instead of micro_batch_size samples (unset: fixed micro_batch_size).",
     )
 
 

@@ -132,6 +132,8 @@ def check_update_batches(prefix: str, section: ActorConfig, samples: int, group_
 
 
 def check_trainer(prefix: str, section: ActorConfig) -> list[str]:
+    if section.micro_batch_tokens is not None and section.micro_batch_tokens < 1:
+        return [f"{prefix}.micro_batch_tokens must be >= 1 or unset (got {section.micro_batch_tokens})"]
     return check_positive(
         **{
             f"{prefix}.world_size": section.world_size,
@@ -206,8 +208,15 @@ def check_algorithm(cfg: RLVRConfig) -> list[str]:
 
 
 def validate_rlvr(cfg: RLVRConfig) -> list[str]:
+    from roll.config.devices import check_devices, resolve_world_sizes
+
+    # Unset world sizes come from the device mappings; every batch-size check below needs them.
+    problems = resolve_world_sizes(cfg)
+    if problems:
+        return problems
+    problems += check_devices(cfg)
     rollout = cfg.rollout
-    problems = check_model(cfg.model)
+    problems += check_model(cfg.model)
     problems += check_file("data.train_path", cfg.data.train_path)
     problems += check_file("data.eval_path", cfg.data.eval_path)
     problems += check_positive(

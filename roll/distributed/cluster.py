@@ -19,6 +19,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from roll.distributed.dispatch import DISPATCH_MODES, Dispatch
+from roll.distributed.placement import RankPlacement
 from roll.distributed.worker import Worker, registered_methods
 
 
@@ -99,21 +100,35 @@ class Cluster:
         num_gpus_per_worker: float = 0.0,
         env: dict[str, str] | None = None,
         plugins: Sequence[str] = (),
+        placements: Sequence[RankPlacement] | None = None,
+        max_concurrency: int = 1,
     ):
         """``plugins``: modules every worker imports at start (a config's ``imports``), found from the
-        driver's working directory as well as the installed packages."""
+        driver's working directory as well as the installed packages. ``placements`` (from
+        ``placement.place_role``, one per rank) pins each rank to its devices; without them Ray places
+        the actors freely (CPU-only roles). ``max_concurrency`` > 1 makes threaded actors that serve several
+        calls at once (a rollout engine taking an abort while it generates)."""
         if world_size < 1:
             raise ValueError(f"{role}: world_size must be >= 1 (got {world_size})")
+        if placements is not None and len(placements) != world_size:
+            raise ValueError(f"{role}: {len(placements)} placements given for world_size {world_size}")
         self.role, self.world_size, self.timeout_s = role, world_size, timeout_s
         # Fractional/zero CPU requests: the stages of one step run one after another, so actors
         # time-share the cores instead of each reserving one (a 2-core laptop holds every role).
         remote_cls = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker)(worker_cls)
-        self.workers = [
-            remote_cls.options(name=None, max_concurrency=1).remote(
-                role, rank, world_size, config, env, tuple(plugins), os.getcwd()
+        self.workers = []
+        for rank in range(world_size):
+            options: dict[str, Any] = {"name": None, "max_concurrency": max_concurrency}
+            rank_env = env
+            if placements is not None:
+                options.update(placements[rank].options)
+                # The placement's CUDA_VISIBLE_DEVICES wins over Ray's one-GPU default and the caller's env.
+                rank_env = {**(env or {}), **placements[rank].env}
+            self.workers.append(
+                remote_cls.options(**options).remote(
+                    role, rank, world_size, config, rank_env, tuple(plugins), os.getcwd()
+                )
             )
-            for rank in range(world_size)
-        ]
         self.worker_cls = worker_cls
         self._methods = registered_methods(worker_cls)
         for name, mode in self._methods.items():

@@ -22,4 +22,4 @@ def init_ray(cfg: RayConfig) -> None:
     if address:
         ray.init(address=address, **common)
     else:
-        ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, **common)
+        ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False, **common)

@@ -1,18 +1,111 @@
-"""Trainer -> inference weight transfer.
+"""Trainer -> inference weight transfer, driven from the single controller.
 
-The simplest correct transfer: rank 0 of the trainer exports its full weights once into Ray's object
-store, and every inference worker loads them from there (the driver passes only a reference, so the
-bytes never travel through the controller). A version number guards against loading stale weights.
-Bucketed transfer over a collective group replaces this for large models (see the device-mapping issue).
+Trainer rank 0 and every inference worker form one collective group (gloo on CPU, NCCL when both ends are
+on GPUs). Each sync broadcasts the full weights in fixed-size buckets, tagged with a version the
+receivers check; sharded trainer ranks help gather each bucket. A failure or a timeout is a
+``WeightSyncError`` naming the sender and the receivers that failed or stopped answering, never a hang.
 """
 
 from __future__ import annotations
 
-from roll.distributed.cluster import Cluster
+import itertools
+import os
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from roll.distributed.cluster import Cluster, ClusterFuture
+
+_group_ids = itertools.count()
 
 
-def sync_weights(trainer: Cluster, inference: Cluster, version: int) -> None:
-    """Load ``trainer``'s current weights (``export_weights``) into every ``inference`` worker."""
-    exported = trainer.export_weights(blocking=False)
-    # Passing the object reference, not the value: each worker fetches the weights itself.
-    inference.load_weights(exported.refs[0], version)
+class WeightSyncError(RuntimeError):
+    """A weight transfer failed or timed out; the message names the sender and the receivers."""
+
+
+class WeightSync:
+    """Connects ``trainer`` (an actor cluster) to ``inference`` (rollout workers) and moves weights."""
+
+    def __init__(self, trainer: Cluster, inference: Cluster, bucket_bytes: int, timeout_s: float):
+        self.trainer, self.inference = trainer, inference
+        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        self.plan: list[Any] | None = None
+        self.backend = "gloo"
+
+    def connect(self) -> None:
+        """Form the collective group and agree on the bucket plan (once, after both clusters are set up)."""
+        devices = {*self.trainer.device_type(), *self.inference.device_type()}
+        self.backend = "nccl" if devices == {"cuda"} else "gloo"
+        address, port = self.trainer.master_address()
+        name = f"roll-weights-{os.getpid()}-{next(_group_ids)}"
+        args = (name, self.backend, address, port, 1 + self.inference.world_size, self.timeout_s)
+        self._wait(
+            "joining the weight-transfer group",
+            self.trainer.join_weight_group(*args, blocking=False),
+            self.inference.join_weight_group(*args, blocking=False),
+        )
+        self.plan = self.trainer.weight_plan(self.bucket_bytes)
+
+    def sync(self, version: int) -> dict[str, float]:
+        """Send the trainer's current weights as ``version``; returns bytes, seconds and throughput."""
+        if self.plan is None:
+            self.connect()
+        start = time.perf_counter()
+        sent, _ = self._wait(
+            f"sending weights version {version}",
+            self.trainer.send_weights(self.plan, version, self.timeout_s, blocking=False),
+            self.inference.receive_weights(self.plan, version, self.timeout_s, blocking=False),
+        )
+        seconds = time.perf_counter() - start
+        nbytes = sent[0]["bytes"]
+        return {
+            "bytes": nbytes,
+            "seconds": seconds,
+            "buckets": sent[0]["buckets"],
+            "gb_per_s": nbytes / seconds / 1e9,
+        }
+
+    def _wait(self, what: str, send: ClusterFuture, receive: ClusterFuture) -> tuple[list[Any], list[Any]]:
+        """Both sides' results; on any failure or timeout a WeightSyncError saying who did what."""
+        # The collectives time out on their own after timeout_s; the margin lets their errors arrive first.
+        deadline = time.monotonic() + self.timeout_s * 1.5 + 10.0
+        refs = {**_labelled(send), **_labelled(receive)}
+        pending = list(refs)
+        while pending and time.monotonic() < deadline:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(1.0, self.timeout_s))
+            if any(_failed(ref) for ref in refs if ref not in pending):
+                # Give the peers of a failed rank the rest of their own timeout to report too.
+                _, pending = ray.wait(pending, num_returns=len(pending), timeout=self.timeout_s + 5.0)
+                break
+        errors = {refs[ref]: _error(ref) for ref in refs if ref not in pending and _failed(ref)}
+        if not pending and not errors:
+            return send.get(), receive.get()
+        lines = [f"{who} did not answer within {self.timeout_s:.0f} s" for who in map(refs.get, pending)]
+        lines += [f"{who}: {detail}" for who, detail in errors.items()]
+        sender = f"{self.trainer.role} rank 0"
+        receivers = f"{self.inference.role} ranks 0-{self.inference.world_size - 1}"
+        raise WeightSyncError(
+            f"weight transfer failed while {what}, from {sender} to {receivers} ({self.backend}):\n  "
+            + "\n  ".join(lines)
+        )
+
+
+def _labelled(future: ClusterFuture) -> dict[ray.ObjectRef, str]:
+    return {ref: f"{future.role} rank {rank}" for rank, ref in enumerate(future.refs)}
+
+
+def _failed(ref: ray.ObjectRef) -> bool:
+    return _error(ref) is not None
+
+
+def _error(ref: ray.ObjectRef) -> str | None:
+    try:
+        ray.get(ref, timeout=0)
+    except RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        return f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1]}"
+    except RayActorError as e:
+        return f"the worker process died ({e})"
+    return None

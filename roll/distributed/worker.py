@@ -64,7 +64,18 @@ class Worker:
 
     @register(Dispatch.ONE_TO_ALL)
     def ping(self) -> dict[str, Any]:
-        return {"role": self.role, "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
+        """Who and where this rank is: role, rank, process, host, Ray node and devices."""
+        import ray
+
+        return {
+            "role": self.role,
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "devices": os.environ.get("ROLL_DEVICES"),
+        }
 
     @register(Dispatch.ONE_TO_ALL)
     def shutdown(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +14,18 @@ import torch
 
 from roll.algorithms.functional import masked_mean
 from roll.algorithms.kl import adaptive_kl_coef
+from roll.config.devices import resolve_world_sizes, role_plan
+from roll.config.loader import ConfigError
 from roll.config.rlvr import RLVRConfig
 from roll.config.sft import SFTConfig
 from roll.data.batch import Batch
 from roll.data.dataset import PromptIterator
 from roll.distributed.cluster import Cluster, wait_all
+from roll.distributed.colocation import Colocation
+from roll.distributed.device_mapping import colocation_groups, validate_plan
+from roll.distributed.placement import DeviceTable, RankPlacement, place_role
 from roll.distributed.ray_utils import init_ray
-from roll.distributed.weight_sync import sync_weights
+from roll.distributed.weight_sync import WeightSync
 from roll.models.loading import load_tokenizer
 from roll.pipelines.common import (
     StageTimer,
@@ -50,10 +56,17 @@ from roll.workers.reference import ReferenceWorker
 from roll.workers.reward import RewardWorker
 from roll.workers.rollout import RolloutWorker
 
+# Calls a rollout worker serves at once: a generation plus aborts, single requests and weight updates.
+ROLLOUT_CONCURRENCY = 8
+
 
 class RLVRPipeline:
     def __init__(self, config: RLVRConfig):
+        problems = resolve_world_sizes(config)  # a config built in code has not been through load_config
+        if problems:
+            raise ConfigError("\n".join(problems))
         self.config = config
+        self.device_table: DeviceTable | None = None
         write_resolved_config(config, config.output_dir)
         self.model_path = prepare_model(config.model, config.output_dir)
         # Data first: a malformed row should fail before the SFT warm start spends minutes.
@@ -119,12 +132,29 @@ class RLVRPipeline:
         )
         self.kl_coef = algo.kl_coef  # moves each step when algorithm.kl_target is set
         timeout = cfg.ray.call_timeout_s
+        placements = self._place_roles()
         cluster = functools.partial(Cluster, timeout_s=timeout, plugins=cfg.imports)
-        self.actor = cluster("actor", ActorWorker, cfg.actor.world_size, actor_spec)
-        self.rollout = cluster("rollout", RolloutWorker, cfg.rollout.world_size, _Holder(model))
+        self.actor = cluster(
+            "actor", ActorWorker, cfg.actor.world_size, actor_spec, placements=placements("actor")
+        )
+        # Threaded: an abort or a single request must reach the engine while it generates.
+        self.rollout = cluster(
+            "rollout",
+            RolloutWorker,
+            cfg.rollout.world_size,
+            _Holder(model),
+            placements=placements("rollout"),
+            max_concurrency=ROLLOUT_CONCURRENCY,
+        )
         self.reward = cluster("reward", RewardWorker, cfg.reward_world_size, cfg.reward)
         self.reference = (
-            cluster("reference", ReferenceWorker, cfg.actor.world_size, _Holder(model))
+            cluster(
+                "reference",
+                ReferenceWorker,
+                cfg.actor.world_size,
+                _Holder(model),
+                placements=placements("reference"),
+            )
             if algo.kl_coef > 0
             else None
         )
@@ -135,13 +165,42 @@ class RLVRPipeline:
                 **_trainer_fields(cfg.critic, critic_model, samples, cfg.steps, timeout),
                 value_clip=cfg.critic.value_clip,
             )
-            self.critic = cluster("critic", CriticWorker, cfg.critic.world_size, critic_spec)
+            self.critic = cluster(
+                "critic", CriticWorker, cfg.critic.world_size, critic_spec, placements=placements("critic")
+            )
         futures = [setup_trainer(self.actor, blocking=False), self.rollout.setup(blocking=False)]
         if self.critic is not None:
             futures.append(setup_trainer(self.critic, blocking=False))
         if self.reference is not None:
             futures.append(self.reference.setup(blocking=False))
         wait_all(*futures)
+        clusters = {"actor": self.actor, "rollout": self.rollout}
+        clusters.update(
+            {name: c for name, c in (("reference", self.reference), ("critic", self.critic)) if c}
+        )
+        self.colocation = Colocation(clusters, colocation_groups(self.roles.values()))
+        self.weight_sync = WeightSync(
+            self.actor, self.rollout, bucket_bytes=cfg.rollout.weight_bucket_mb << 20, timeout_s=timeout
+        )
+        self.weight_sync.connect()
+
+    def _place_roles(self) -> Callable[[str], list[RankPlacement] | None]:
+        """Each role's devices from the config; with any device mapping, a placement group over the
+        cluster's devices pins every rank to its devices. Impossible mappings fail here, before any model
+        loads."""
+        cfg = self.config
+        self.roles = {role.role: role for role in role_plan(cfg)}
+        if cfg.algorithm.kl_coef > 0:  # the reference model lives on the actor's devices
+            self.roles["reference"] = dataclasses.replace(self.roles["actor"], role="reference")
+        self.device_table = None
+        if not any(role.device_mapping is not None for role in self.roles.values()):
+            return lambda role: None
+        self.device_table = DeviceTable.create(timeout_s=cfg.ray.call_timeout_s)
+        problems = validate_plan(list(self.roles.values()), self.device_table.num_devices)
+        if problems:
+            self.device_table.remove()
+            raise ConfigError("invalid device mapping:\n" + "\n".join(f"  - {p}" for p in problems))
+        return lambda role: place_role(self.roles[role], self.device_table)
 
     def run(self) -> dict[str, float]:
         """Train for ``config.steps`` steps; returns the final metrics (eval before/after included)."""
@@ -188,7 +247,9 @@ class RLVRPipeline:
         batch["group_index"] = torch.arange(len(indices))
         batch = batch.repeat(cfg.rollout.num_return_sequences, interleave=True)
 
+        metrics: dict[str, float] = {}
         with timer("generate"):
+            _add(metrics, self.colocation.use("rollout"))
             batch = batch.union(self.rollout.generate(batch, self.sampling))
         mask = batch["response_mask"].float()
         lengths = mask.sum(dim=1)
@@ -196,10 +257,9 @@ class RLVRPipeline:
             scores = self.reward.compute_rewards(batch)["scores"]
             shaped = shape_scores(scores, lengths, algo.reward_shaping, cfg.rollout.max_new_tokens)
         with timer("logprobs"):
-            batch = self._forward_passes(batch)
+            batch = self._forward_passes(batch, metrics)
 
         token_rewards = outcome_token_rewards(shaped, mask)
-        metrics: dict[str, float] = {}
         if self.reference is not None and algo.kl_penalty == "reward":
             kl = kl_per_token(batch["old_logprobs"], batch["ref_logprobs"], mask, algo.kl_estimator)
             token_rewards = token_rewards - self.kl_coef * kl
@@ -211,12 +271,16 @@ class RLVRPipeline:
 
         if self.critic is not None:
             with timer("critic"):
+                _add(metrics, self.colocation.use("critic"))
                 metrics.update({f"critic/{k}": v for k, v in self.critic.train_step(batch).items()})
         with timer("train"):
+            _add(metrics, self.colocation.use("actor"))
             kl_loss_coef = self.kl_coef if algo.kl_penalty == "loss" else 0.0
             metrics.update({f"actor/{k}": v for k, v in self.actor.train_step(batch, kl_loss_coef).items()})
         with timer("sync"):
-            sync_weights(self.actor, self.rollout, version=step)
+            _add(metrics, self.colocation.use("actor", "rollout"))
+            sent = self.weight_sync.sync(version=step)
+            metrics["sync/gb_per_s"] = sent["gb_per_s"]
         if self.reference is not None:
             metrics["actor/kl_coef"] = self.kl_coef
             self._adapt_kl_coef(metrics, len(batch))
@@ -240,7 +304,7 @@ class RLVRPipeline:
             "throughput/tokens_per_s": tokens / step_time,
         }
 
-    def _forward_passes(self, batch: Batch) -> Batch:
+    def _forward_passes(self, batch: Batch, metrics: dict[str, float]) -> Batch:
         """Reference logprobs, old-policy logprobs and critic values, as needed.
 
         One after another: each worker uses every core of the node, so on a shared CPU two passes at
@@ -248,10 +312,13 @@ class RLVRPipeline:
         vs 39 ms in turn for reference + old logprobs on 64 samples, docs/algorithms.md)."""
         temperature = self.config.rollout.temperature
         if self.reference is not None:
+            _add(metrics, self.colocation.use("reference"))
             batch["ref_logprobs"] = self.reference.compute_logprobs(batch, temperature)["logprobs"]
         if self.needs_old_logprobs:
+            _add(metrics, self.colocation.use("actor"))
             batch["old_logprobs"] = self.actor.compute_logprobs(batch, temperature)["logprobs"]
         if self.critic is not None:
+            _add(metrics, self.colocation.use("critic"))
             batch["values"] = self.critic.compute_values(batch)["values"]
         return batch
 
@@ -265,6 +332,7 @@ class RLVRPipeline:
 
     def evaluate(self) -> dict[str, float]:
         assert self.eval_prompts is not None
+        self.colocation.use("rollout")
         return evaluate(
             self.eval_prompts,
             generate=lambda batch, params: self.rollout.generate(batch, params),
@@ -291,6 +359,8 @@ class RLVRPipeline:
         for cluster in (self.actor, self.critic, self.rollout, self.reward, self.reference):
             if cluster is not None:
                 cluster.kill()
+        if self.device_table is not None:
+            self.device_table.remove()  # frees the devices for the next job on a shared cluster
 
 
 @dataclasses.dataclass
@@ -298,6 +368,12 @@ class _Holder:
     """Config object for model-only workers (reference, rollout)."""
 
     model: ModelSpec
+
+
+def _add(metrics: dict[str, float], more: dict[str, float]) -> None:
+    """Sum ``more`` into ``metrics`` (a stage may offload several times per step)."""
+    for key, value in more.items():
+        metrics[key] = metrics.get(key, 0.0) + value
 
 
 def _updates_per_step(section: Any, samples: int) -> int:

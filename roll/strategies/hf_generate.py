@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig
+import torch.distributed as dist
+from transformers import GenerationConfig, StoppingCriteriaList
 
 from roll.algorithms.functional import logprobs_from_logits
 from roll.data.batch import Batch
 from roll.strategies.sampling import SamplingParams
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: FSDP writes its gathered weights in place
 def generate(
-    model: torch.nn.Module, batch: Batch, params: SamplingParams, eos_id: int, pad_id: int, tokenizer=None
+    model: torch.nn.Module,
+    batch: Batch,
+    params: SamplingParams,
+    eos_id: int,
+    pad_id: int,
+    tokenizer=None,
+    stopping_criteria: StoppingCriteriaList | None = None,
 ) -> Batch:
     """Sample one response per row of ``batch`` (``prompt_ids``/``prompt_mask`` left-padded).
 
@@ -20,6 +27,9 @@ def generate(
     token included in the mask), ``rollout_logprobs`` [B, max_new_tokens] of the sampled tokens under the
     sampling temperature, and per-row ``finish_reason`` ("stop" or "length") and, with a tokenizer,
     ``response_text`` (special tokens removed).
+
+    ``stopping_criteria`` are added to the EOS and length checks; a row they stop receives ``pad_id``
+    from then on (the inference engine uses this to abort single requests).
     """
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = batch["prompt_ids"].to(device), batch["prompt_mask"].to(device)
@@ -36,7 +46,16 @@ def generate(
         output_logits=True,
         return_dict_in_generate=True,
     )
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    # Sharded (FSDP) ranks all-gather weights in every forward, so all of them keep stepping until the
+    # longest generation among them ends.
+    synced = dist.is_initialized() and dist.get_world_size() > 1
+    out = model.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        generation_config=config,
+        stopping_criteria=stopping_criteria,
+        synced_gpus=synced,
+    )
     new_tokens = out.sequences[:, prompt_ids.shape[1] :].cpu()
     logits = torch.stack(out.logits, dim=1).float().cpu()  # raw logits [B, T, V], before any warper
     if not params.greedy and params.temperature != 1.0:

@@ -10,6 +10,7 @@ import torch
 from roll.config.rlvr import AlgorithmConfig
 from roll.data.batch import Batch
 from roll.distributed.dispatch import Dispatch
+from roll.distributed.weight_buckets import Bucket, metas_of
 from roll.distributed.worker import register
 from roll.strategies.hf_forward import response_logprobs
 from roll.workers.trainer import OptimizerSpec, TrainerSpec, TrainerWorker
@@ -92,9 +93,57 @@ class ActorWorker(TrainerWorker):
 
     # ---------------------------------------------------------------- weights
     @register(Dispatch.RANK_ZERO)
-    def export_weights(self) -> dict[str, torch.Tensor] | None:
-        """Full weights on CPU (rank 0 only; every rank holds the same replica)."""
-        if self.rank != 0:
-            return None
-        # Returning the tensors serialises them into Ray's object store, so no extra copy is needed here.
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+    def weight_plan(self, bucket_bytes: int) -> list[Bucket]:
+        """How the full weights split into transfer buckets (names, full shapes, dtypes)."""
+        from roll.distributed.weight_buckets import plan_buckets
+
+        return plan_buckets(metas_of(self._named_weights()), bucket_bytes)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def join_weight_group(
+        self, name: str, backend: str, master_addr: str, master_port: int, group_size: int, timeout_s: float
+    ) -> None:
+        """Rank 0 joins the weight-transfer group as its sender (group rank 0); other ranks only help
+        gather sharded weights during a transfer."""
+        from roll.distributed.collective import create_group
+
+        if self.rank == 0:
+            self.weight_group = create_group(
+                name, backend, master_addr, master_port, 0, group_size, timeout_s
+            )
+
+    @register(Dispatch.ONE_TO_ALL)
+    def send_weights(self, plan: list[Bucket], version: int, timeout_s: float) -> dict[str, float]:
+        """Broadcast the current weights to the rollout workers, one bucket at a time. Every rank takes
+        part: sharded weights are gathered bucket by bucket, so no rank ever holds the whole model twice."""
+        from roll.distributed.weight_transfer import send_weights
+        from roll.strategies.fsdp import full_tensor
+
+        weights = dict(self._named_weights())
+        group = getattr(self, "weight_group", None) if self.rank == 0 else None
+        on_gpu = group is not None and group.backend == "nccl"
+        device = self.device if on_gpu else torch.device("cpu")
+
+        def tensors_for(bucket: Bucket) -> dict[str, torch.Tensor]:
+            return {meta.name: full_tensor(weights[meta.name]).detach() for meta in bucket.tensors}
+
+        return send_weights(group, plan, tensors_for, version, timeout_s, device)
+
+    def _named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Every weight once: a tied head is the embedding under a second name, and the receiver ties it."""
+        seen: set[int] = set()
+        named = []
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                named.append((name, tensor))
+        return named
+
+    @register(Dispatch.ONE_TO_ALL)
+    def shutdown(self) -> None:
+        from roll.distributed.collective import destroy_group
+
+        if getattr(self, "weight_group", None) is not None:
+            destroy_group(self.weight_group)
+            self.weight_group = None
+        super().shutdown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -40,9 +41,10 @@ class ModelWorker(Worker):
         # Per-shard progress bars from every worker would bury the training metrics.
         hf_logging.disable_progress_bar()
         spec: ModelSpec = self.config.model
-        # Every core of the node: the stages of a step run one after another, so only one worker is busy
-        # at a time (Ray would otherwise pin each zero-CPU actor to a single thread).
-        torch.set_num_threads(os.cpu_count() or 1)
+        # The node's cores: the stages of a step run one after another, so only one role is busy at a
+        # time (Ray would otherwise pin each zero-CPU actor to a single thread).
+        # Ranks of one role run at the same time, so they split the cores between them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
         torch.manual_seed(spec.seed + self.rank)
         self.device = pick_device()
         self.tokenizer = load_tokenizer(spec.path)
@@ -55,12 +57,39 @@ class ModelWorker(Worker):
 
         return load_causal_lm(spec.path, dtype=spec.dtype, device=self.device)
 
+    @register(Dispatch.ONE_TO_ALL)
+    def device_type(self) -> str:
+        """``cuda`` or ``cpu``: where this worker computes (the weight-transfer backend follows it)."""
+        return self.device.type
+
+    @register(Dispatch.ONE_TO_ALL)
+    def offload_states(self) -> dict[str, float]:
+        """Move this worker's state to CPU memory while a colocated role uses the device; returns the
+        bytes moved (0 when the worker already lives on the CPU) and the seconds taken."""
+        return self._move_states(torch.device("cpu"))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def reload_states(self) -> dict[str, float]:
+        """Bring the state back to the worker's device before it is used."""
+        return self._move_states(self.device)
+
+    def _move_states(self, device: torch.device) -> dict[str, float]:
+        from roll.strategies.fsdp import tensor_bytes
+
+        start = time.perf_counter()
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        moved = tensor_bytes([t for t in (*tensors, *grads) if t.device != device])
+        if moved:
+            self.model.to(device)
+        return {"bytes": float(moved), "seconds": time.perf_counter() - start}
+
     @register(Dispatch.DP_COMPUTE)
     def compute_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
         """``logprobs`` [B, R] of the response tokens under this worker's current weights."""
         from roll.strategies.hf_forward import response_logprobs
 
-        with torch.inference_mode():
+        with torch.no_grad():  # not inference_mode: FSDP writes gathered weights in place
             logprobs, _ = response_logprobs(self.model, batch.to(self.device), temperature)
         return Batch(tensors={"logprobs": logprobs.cpu()})
 

@@ -34,7 +34,7 @@ class CriticWorker(TrainerWorker):
     @register(Dispatch.DP_COMPUTE)
     def compute_values(self, batch: Batch) -> Batch:
         """``values`` [B, R]: the value of the state before each response token, 0 past the response."""
-        with torch.inference_mode():
+        with torch.no_grad():  # not inference_mode: FSDP writes gathered weights in place
             values = response_values(self.model, batch.to(self.device))
         return Batch(tensors={"values": values.cpu()})
 

@@ -1,4 +1,6 @@
-"""Rollout worker: the inference engine that samples responses (Hugging Face ``generate`` for now)."""
+"""Rollout worker: one data-parallel inference engine (Hugging Face for now; vLLM/SGLang fit the same
+``InferenceEngine`` contract). Batch generation, single requests with abort, and new weights from the
+trainer over the weight-transfer group."""
 
 from __future__ import annotations
 
@@ -6,32 +8,97 @@ from typing import Any
 
 import torch
 
+from roll.data.batch import Batch
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.worker import register
+from roll.strategies.infer import INFERENCE_ENGINES, GenerateRequest, GenerateResult, InferenceEngine
+from roll.strategies.sampling import SamplingParams
 from roll.workers.base import ModelWorker
+
+# Single requests (submit / await / abort) go to one worker, so they are plain methods that the router
+# calls on that worker's handle; a Cluster call would reach every rank.
+REQUEST_METHODS = ("submit", "await_result", "abort")
 
 
 class RolloutWorker(ModelWorker):
-    """Samples responses (``generate``, from ModelWorker) and takes new weights from the trainer."""
+    """``config.model`` is a ModelSpec. Runs as a threaded actor: an ``abort`` or a request must reach the
+    engine while a generation is in progress (the engine serialises its own model use)."""
 
     weights_version: int = -1
+    engine: InferenceEngine
+
+    @register(Dispatch.ONE_TO_ALL)
+    def setup(self, **kwargs: object) -> None:
+        super().setup(**kwargs)
+        self.engine = INFERENCE_ENGINES.get("hf")(self.model, self.tokenizer, self.device)
+        self.weight_group = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def shutdown(self) -> None:
+        from roll.distributed.collective import destroy_group
+
+        if getattr(self, "engine", None) is not None:
+            self.engine.shutdown()
+        if getattr(self, "weight_group", None) is not None:
+            destroy_group(self.weight_group)
+            self.weight_group = None
+
+    @register(Dispatch.DP_COMPUTE)
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        """One response per prompt row of this worker's shard (see ``roll.strategies.hf_generate``)."""
+        return self.engine.generate(batch, params)
+
+    # ------------------------------------------------------------ single requests (the router's path)
+    def submit(self, request: GenerateRequest) -> None:
+        self.engine.submit(request)
+
+    def await_result(self, request_id: str, timeout_s: float | None = None) -> GenerateResult:
+        return self.engine.await_result(request_id, timeout_s)
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    # ------------------------------------------------------------ memory between colocated stages
+    @register(Dispatch.ONE_TO_ALL)
+    def offload_states(self) -> dict[str, float]:
+        """Release the engine's weights and cache from the device (a colocated trainer needs it)."""
+        return self.engine.release_memory()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def reload_states(self) -> dict[str, float]:
+        return self.engine.reacquire_memory()
+
+    # ------------------------------------------------------------ weights
+    @register(Dispatch.ONE_TO_ALL)
+    def join_weight_group(
+        self, name: str, backend: str, master_addr: str, master_port: int, group_size: int, timeout_s: float
+    ) -> None:
+        """Join the trainer's weight-transfer group as group rank ``1 + rank`` (trainer rank 0 is rank 0)."""
+        from roll.distributed.collective import create_group
+
+        self.weight_group = create_group(
+            name, backend, master_addr, master_port, 1 + self.rank, group_size, timeout_s
+        )
+
+    @register(Dispatch.ONE_TO_ALL)
+    def receive_weights(self, plan: list[Any], version: int, timeout_s: float) -> dict[str, float]:
+        """Take ``version`` of the weights from the trainer, bucket by bucket, into the engine's model."""
+        from roll.distributed.weight_transfer import receive_weights
+
+        if version <= self.weights_version:
+            raise ValueError(f"weights version {version} is not newer than the loaded {self.weights_version}")
+        if self.weight_group is None:
+            raise RuntimeError("no weight-transfer group: call join_weight_group first")
+        device = self.device if self.weight_group.backend == "nccl" else torch.device("cpu")
+        stats = receive_weights(self.weight_group, plan, version, timeout_s, device, self.engine.load_weights)
+        self.weights_version = version
+        return stats
 
     @register(Dispatch.ONE_TO_ALL)
     def load_weights(self, state_dict: dict[str, Any], version: int) -> int:
-        """Replace the weights with the trainer's ``state_dict``; ``version`` must move forward."""
+        """Replace the weights with ``state_dict`` (e.g. a checkpoint); ``version`` must move forward."""
         if version <= self.weights_version:
             raise ValueError(f"weights version {version} is not newer than the loaded {self.weights_version}")
-        with torch.no_grad():
-            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
-        # Tied embeddings may be absent from the sender's dict; anything else missing is a real mismatch.
-        missing = [k for k in missing if k not in self._tied_parameter_names()]
-        if missing or unexpected:
-            raise ValueError(
-                f"weights do not match the rollout model: missing {missing}, unexpected {unexpected}"
-            )
+        self.engine.load_weights(state_dict)
         self.weights_version = version
         return version
-
-    def _tied_parameter_names(self) -> set[str]:
-        tied = getattr(self.model, "_tied_weights_keys", None) or []
-        return set(tied if isinstance(tied, (list, tuple, set)) else tied.keys())

@@ -1,12 +1,15 @@
-"""``TrainerWorker``: what every trained model shares (actor and critic). Data-parallel ranks, AdamW with a
-warmup/decay schedule, mini-batch updates with gradient accumulation normalised across ranks, atomic save."""
+"""``TrainerWorker``: what every trained model shares (actor and critic). FSDP2 over several ranks, AdamW
+with a warmup/decay schedule, mini-batch updates with gradient accumulation normalised across ranks, fixed
+or token-budget micro-batches, offload between colocated stages, atomic HF-format save."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -49,6 +52,8 @@ class TrainerSpec:
     model: ModelSpec
     optimizer: OptimizerSpec
     micro_batch_size: int = 64
+    # Dynamic micro-batches: pack rows up to this many real tokens per forward/backward instead.
+    micro_batch_tokens: int | None = None
     # RL only: optimizer steps per rollout batch are ppo_epochs x (batch / mini_batch_size).
     ppo_epochs: int = 1
     mini_batch_size: int | None = None
@@ -88,6 +93,8 @@ class TrainerWorker(ModelWorker):
         super().setup()
         spec: TrainerSpec = self.config
         if self.world_size > 1:
+            from roll.strategies.fsdp import shard_model
+
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(
                 backend,
@@ -99,6 +106,7 @@ class TrainerWorker(ModelWorker):
             # Every rank must start from identical weights even if loading were nondeterministic.
             for p in self.model.parameters():
                 dist.broadcast(p.data, src=0)
+            self.model = shard_model(self.model)
         self.model.train()
         opt = spec.optimizer
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
@@ -129,15 +137,42 @@ class TrainerWorker(ModelWorker):
 
     def step_on(self, batch: Batch, loss_fn: LossFn, loss_agg_mode: str) -> dict[str, float]:
         """One optimizer step on ``batch`` (this rank's shard of a mini-batch), in micro-batches."""
-        spec: TrainerSpec = self.config
         denominator = self.global_denominator(batch, loss_agg_mode)
+        # FSDP averages gradients over ranks; the loss is already a share of the global sum, so undo that.
+        # (Asking FSDP for a plain sum instead needs PREMUL_SUM, which gloo lacks.)
+        scale = float(self.world_size)
         step_metrics: dict[str, float] = {}
-        for micro in batch.split(spec.micro_batch_size):
+        for micro in self.micro_batches(batch):
             loss, loss_metrics = loss_fn(micro.to(self.device), denominator)
-            loss.backward()
+            (loss * scale).backward()
             _accumulate(step_metrics, loss_metrics)
         values = self._sum_loss_terms_across_ranks(_step_values(step_metrics))
         return {**values, **self._optimizer_step()}
+
+    def micro_batches(self, batch: Batch) -> list[Batch]:
+        """``micro_batch_size`` rows each, or with ``micro_batch_tokens`` as many rows as fit that many real
+        tokens. Sharded ranks run forward/backward in lockstep, so every rank makes as many micro-batches
+        as the rank that needs the most."""
+        from roll.data.micro_batches import (
+            balanced_split,
+            count_for_budget,
+            fixed_split,
+            row_tokens,
+            trim_prompt_padding,
+        )
+
+        spec: TrainerSpec = self.config
+        if spec.micro_batch_tokens is None:
+            groups = fixed_split(len(batch), spec.micro_batch_size)
+        else:
+            tokens = row_tokens(batch)
+            count = count_for_budget(tokens, spec.micro_batch_tokens)
+            if self.world_size > 1:
+                most = torch.tensor([count])
+                dist.all_reduce(most, op=dist.ReduceOp.MAX)
+                count = int(most.item())
+            groups = balanced_split(tokens, count)
+        return [trim_prompt_padding(batch.select(rows)) for rows in groups]
 
     def global_denominator(self, batch: Batch, loss_agg_mode: str) -> float:
         """The aggregation mode's count (tokens, sequences, ...) for ``batch`` summed over every rank."""
@@ -160,30 +195,51 @@ class TrainerWorker(ModelWorker):
         return {**values, **dict(zip(keys, shares.tolist()))}
 
     def _optimizer_step(self) -> dict[str, float]:
+        from roll.strategies.fsdp import clip_grad_norm
+
         spec: TrainerSpec = self.config
-        if self.world_size > 1:
-            # Each rank's loss was divided by the global denominator, so summing gives the full gradient.
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
-        max_norm = spec.optimizer.max_grad_norm if spec.optimizer.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = clip_grad_norm(self.model, spec.optimizer.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(grad_norm), "lr": lr}
+        return {"grad_norm": grad_norm, "lr": lr}
+
+    def _move_states(self, device: torch.device) -> dict[str, float]:
+        """The model (see ModelWorker) plus the optimizer's moments."""
+        from roll.strategies.fsdp import tensor_bytes
+
+        start = time.perf_counter()
+        moved = super()._move_states(device)["bytes"]
+        optimizer_states = [
+            t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)
+        ]
+        moving = [t for t in optimizer_states if t.device != device]
+        moved += tensor_bytes(moving)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.device != device:
+                    state[key] = value.to(device, non_blocking=True)
+        if device.type == "cpu" and self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        return {"bytes": float(moved), "seconds": time.perf_counter() - start}
 
     @register(Dispatch.RANK_ZERO)
     def save_pretrained(self, path: str) -> str | None:
-        """Save model and tokenizer in Hugging Face format, atomically: a crash leaves no half-written dir."""
+        """Save the whole model and tokenizer in Hugging Face format, atomically: a crash leaves no
+        half-written dir. Sharded weights are gathered to rank 0 first (every rank takes part)."""
+        from roll.strategies.fsdp import full_state_dict, unwrapped_class_name
+
+        state = full_state_dict(self.model)
         if self.rank != 0:
             return None
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        self.model.save_pretrained(staging)
+        self.model.save_pretrained(staging, state_dict=state)
         self.tokenizer.save_pretrained(staging)
+        _fix_architecture_name(staging, unwrapped_class_name(self.model))
         if target.exists():
             old = target.with_name(f".{target.name}.old.{os.getpid()}")
             target.rename(old)
@@ -192,6 +248,16 @@ class TrainerWorker(ModelWorker):
         else:
             staging.rename(target)
         return str(target)
+
+
+def _fix_architecture_name(directory: Path, class_name: str) -> None:
+    """FSDP2 wraps the model in a generated subclass (``FSDPQwen2ForCausalLM``) whose name HF would record
+    as the architecture; write the real class's name."""
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    if config.get("architectures") != [class_name]:
+        config["architectures"] = [class_name]
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _accumulate(into: dict[str, float], values: dict[str, Any]) -> None:

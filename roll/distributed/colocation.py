@@ -1,0 +1,51 @@
+"""Time-sharing devices between colocated roles: before a stage runs, the roles it does not use offload
+their state from the devices they share with it, and the roles it uses reload theirs.
+
+So a colocated group never holds more than the running stage's roles on its devices (weight transfer is
+the one stage that needs two: the trainer sends, the rollout engine receives).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from roll.distributed.cluster import Cluster
+
+
+class Colocation:
+    """``groups`` lists role names sharing devices (``device_mapping.colocation_groups``); roles in no
+    group (CPU-only or alone on their devices) are never offloaded."""
+
+    def __init__(self, clusters: Mapping[str, Cluster], groups: Sequence[Sequence[str]]):
+        self.clusters = dict(clusters)
+        self.groups = [list(g) for g in groups if len(g) > 1 and all(r in clusters for r in g)]
+        self.on_device = {role: True for group in self.groups for role in group}
+
+    @property
+    def active(self) -> bool:
+        return bool(self.groups)
+
+    def use(self, *roles: str) -> dict[str, float]:
+        """Make ``roles`` resident and everything colocated with them offloaded; returns the bytes moved
+        per role (``offload/<role>_bytes``, summed over ranks) and the seconds taken (``time/offload_s``)."""
+        metrics: dict[str, float] = {}
+        for group in self.groups:
+            if not any(role in group for role in roles):
+                continue
+            # Offload first so the devices are free before anything comes back.
+            for role in group:
+                if role not in roles and self.on_device[role]:
+                    self._move(role, to_device=False, metrics=metrics)
+            for role in group:
+                if role in roles and not self.on_device[role]:
+                    self._move(role, to_device=True, metrics=metrics)
+        return metrics
+
+    def _move(self, role: str, to_device: bool, metrics: dict[str, float]) -> None:
+        cluster = self.clusters[role]
+        per_rank = cluster.reload_states() if to_device else cluster.offload_states()
+        self.on_device[role] = to_device
+        key = f"offload/{role}_bytes"
+        metrics[key] = metrics.get(key, 0.0) + sum(r["bytes"] for r in per_rank)
+        # Ranks move in parallel: the stage waited for the slowest.
+        metrics["time/offload_s"] = metrics.get("time/offload_s", 0.0) + max(r["seconds"] for r in per_rank)

@@ -1,0 +1,71 @@
+"""Training strategy: torch FSDP2 (``fully_shard``) over the trainer's process group.
+
+Each transformer block is its own FSDP unit (parameters all-gathered just before the block runs and freed
+after), and the root module holds the rest (embeddings, final norm, head; tied embeddings stay in one
+unit). One rank runs the plain module: sharding over a single rank only adds overhead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Shard ``model`` in place across the default process group (every rank calls this)."""
+    from torch.distributed.fsdp import fully_shard
+
+    block_names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    if not blocks:
+        raise ValueError(
+            f"{type(model).__name__} names no transformer block class in `_no_split_modules`; "
+            "FSDP2 needs one to shard layer by layer"
+        )
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a collective all-gather for a sharded (DTensor) one, the tensor itself otherwise.
+    Every rank must call it for the same tensors in the same order."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights on CPU, gathered on rank 0 (an empty dict on the other ranks) when
+    sharded; every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm (over every rank's shard) and return it as a float."""
+    limit = max_norm if max_norm > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
+    return float(full_tensor(norm))
+
+
+def unwrapped_class_name(model: torch.nn.Module) -> str:
+    """The model's own class name, under the subclass that ``fully_shard`` generates."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(model)
+    if isinstance(model, FSDPModule):
+        cls = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+    return cls.__name__
+
+
+def tensor_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes held by ``tensors`` on this rank (a sharded tensor counts its local shard)."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total

@@ -1,0 +1,36 @@
+"""Inference engines: the ``InferenceEngine`` contract and the ``INFERENCE_ENGINES`` registry.
+
+Build one by name: ``INFERENCE_ENGINES.get("hf")(model=..., tokenizer=..., device=...)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from roll.strategies.infer.base import (
+    FINISH_REASONS,
+    INFERENCE_ENGINES,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    InferenceEngine,
+    NamedTensors,
+)
+
+__all__ = [
+    "FINISH_REASONS",
+    "INFERENCE_ENGINES",
+    "FinishReason",
+    "GenerateRequest",
+    "GenerateResult",
+    "InferenceEngine",
+    "NamedTensors",
+]
+
+
+@INFERENCE_ENGINES.register("hf")
+def build_hf_engine(model: Any, tokenizer: Any, device: Any = None, **kwargs: Any) -> InferenceEngine:
+    """An ``HFEngine`` (Hugging Face ``generate``) serving ``model``; see its docstring for ``kwargs``."""
+    from roll.strategies.infer.hf import HFEngine
+
+    return HFEngine(model, tokenizer, device, **kwargs)

@@ -1,0 +1,163 @@
+"""The inference-engine contract: single requests (submit / await / abort) and batch generation.
+
+The rollout worker talks to an engine only through ``InferenceEngine``, so the Hugging Face engine
+used on CPU and in tests and the fast GPU engines plug in the same way.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from roll.data.batch import Batch
+from roll.strategies.sampling import SamplingParams
+from roll.utils.registry import Registry
+
+__all__ = [
+    "FINISH_REASONS",
+    "INFERENCE_ENGINES",
+    "FinishReason",
+    "GenerateRequest",
+    "GenerateResult",
+    "InferenceEngine",
+    "NamedTensors",
+]
+
+FinishReason = Literal["stop", "length", "abort"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+
+# A whole state dict, or (name, tensor) pairs streamed bucket by bucket from the trainer.
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One prompt to complete.
+
+    Args:
+        request_id: unique among the engine's unfinished requests; the handle for ``await_result``
+            and ``abort``.
+        prompt_ids: the prompt's token ids (no padding); stored as a tuple so the request is immutable.
+        params: how to sample; requests with equal params can share one batch.
+    """
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+
+    def __post_init__(self) -> None:
+        prompt_ids = tuple(int(t) for t in self.prompt_ids)
+        if not prompt_ids:
+            raise ValueError(f"request {self.request_id!r} has an empty prompt; give at least one token id")
+        # Frozen dataclass: __setattr__ is blocked, so normalise through object.__setattr__.
+        object.__setattr__(self, "prompt_ids", prompt_ids)
+
+
+@dataclass
+class GenerateResult:
+    """What became of one request.
+
+    ``token_ids`` are the generated tokens up to and including EOS (no padding); ``logprobs`` holds one
+    value per token, the log-probability of the sampled token under the sampling temperature (the same
+    quantity as ``rollout_logprobs`` of batch generation). ``finish_reason`` is "stop" (EOS), "length"
+    (``max_new_tokens`` reached) or "abort" (``abort`` was called; the tokens are those produced so far,
+    none for a request that had not started).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+class InferenceEngine(abc.ABC):
+    """An LLM inference engine as the rollout worker sees it.
+
+    Two ways in: ``generate`` runs a whole left-padded batch at once (synchronous rollout), and
+    ``submit`` / ``await_result`` / ``abort`` handle single requests (asynchronous and partial rollout,
+    dynamic sampling that stops once enough samples are in). The contract is drawn so that vLLM's
+    ``AsyncLLMEngine`` (``add_request`` / ``abort``) and SGLang's engine fit it; their adapters are a
+    later issue. ``HFEngine`` (``roll.strategies.infer.hf``) is the reference implementation.
+
+    Rules every engine keeps:
+      - ``submit``, ``abort`` and ``await_result`` may be called from any thread, also while a generation
+        runs (the rollout worker is a threaded actor, so an abort arrives mid-generation).
+      - Results are delivered exactly once: ``await_result`` hands a finished result over and forgets it.
+      - While memory is released (``release_memory``), ``generate`` and ``submit`` raise RuntimeError;
+        requests submitted before the release wait until ``reacquire_memory``.
+      - Weights loaded with ``load_weights`` never change in the middle of a generation.
+    """
+
+    @abc.abstractmethod
+    def submit(self, request: GenerateRequest) -> None:
+        """Queue ``request`` and return at once.
+
+        Raises:
+            ValueError: its request id is already in use by an unfinished or uncollected request.
+            RuntimeError: memory is released or the engine is shut down.
+        """
+
+    @abc.abstractmethod
+    def await_result(self, request_id: str, timeout_s: float | None) -> GenerateResult:
+        """Block until ``request_id`` finishes and return its result (``None`` waits without limit).
+
+        Raises:
+            TimeoutError: not finished within ``timeout_s`` seconds (the message names the request);
+                the request keeps running and can be awaited again.
+            KeyError: the id was never submitted or its result was already collected.
+            RuntimeError: the generation that ran the request failed (the cause is chained).
+        """
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> bool:
+        """Stop ``request_id``: a queued request finishes at once with no tokens, a running one at its
+        next token with the tokens so far; both with finish_reason "abort".
+
+        Returns:
+            True if the request was queued or running, False for an unknown or already finished id.
+        """
+
+    @abc.abstractmethod
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        """Sample one response per row of ``batch``; the same contract (inputs, output fields and their
+        meaning) as ``roll.strategies.hf_generate.generate``."""
+
+    @abc.abstractmethod
+    def load_weights(self, named_tensors: NamedTensors) -> None:
+        """Copy ``named_tensors`` into the live model by name, waiting for a running generation first.
+
+        Tied weights (e.g. an LM head tied to the embedding) may be absent.
+
+        Raises:
+            ValueError: names the model does not have (all of them listed) or shapes that differ.
+        """
+
+    @abc.abstractmethod
+    def release_memory(self) -> dict[str, float]:
+        """Free the weights (and any cache) from the accelerator, e.g. while the trainer shares it.
+
+        Returns:
+            {"bytes": bytes moved off the accelerator, "seconds": time taken}; 0 bytes on CPU.
+        """
+
+    @abc.abstractmethod
+    def reacquire_memory(self) -> dict[str, float]:
+        """Undo ``release_memory``: weights back on the accelerator and requests served again.
+
+        Returns:
+            {"bytes": bytes moved onto the accelerator, "seconds": time taken}; 0 bytes on CPU.
+        """
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Abort every unfinished request and stop background work; idempotent. Afterwards ``submit``
+        raises RuntimeError, results already finished can still be awaited."""
+
+
+# Name -> factory building an engine. Factories import their backend inside, so an optional engine
+# (vLLM, SGLang) costs nothing until chosen and can fail with a message naming the extra to install.
+INFERENCE_ENGINES: Registry[Callable[..., InferenceEngine]] = Registry("inference engine")
