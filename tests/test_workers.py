@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import time
 
 import pytest
 import torch
 
 from roll.config.rlvr import AlgorithmConfig
 from roll.data.batch import Batch
-from roll.distributed.cluster import Cluster, WorkerError
-from roll.distributed.weight_sync import sync_weights
+from roll.data.micro_batches import row_tokens
+from roll.distributed.cluster import Cluster, WorkerError, wait_all
+from roll.distributed.dispatch import Dispatch
+from roll.distributed.weight_sync import WeightSync, WeightSyncError
+from roll.distributed.worker import register
 from roll.models.loading import load_tokenizer
-from roll.pipelines.common import PromptSet, prompt_batch, render_prompt, response_tensors
+from roll.pipelines.common import PromptSet, prompt_batch, render_prompt, response_tensors, setup_trainer
 from roll.strategies.sampling import SamplingParams
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
 from roll.workers.base import ModelSpec
@@ -71,12 +76,16 @@ def test_generate_returns_masked_responses_and_matching_logprobs(tiny_model_path
 
 
 def test_weight_transfer_makes_rollout_match_trainer(tiny_model_path, prompts):
+    """Two FSDP2 trainer ranks send to two rollout workers in small buckets; afterwards the engines'
+    logprobs equal the trainer's (tolerance 1e-5: the same fp32 weights, bit for bit)."""
     tokenizer = load_tokenizer(tiny_model_path)
-    actor = Cluster("actor", ActorWorker, 1, actor_spec(tiny_model_path))
-    rollout = Cluster("rollout", RolloutWorker, 1, Holder(ModelSpec(path=tiny_model_path)))
+    actor = Cluster("actor", ActorWorker, 2, actor_spec(tiny_model_path))
+    rollout = Cluster("rollout", RolloutWorker, 2, Holder(ModelSpec(path=tiny_model_path)), max_concurrency=4)
     try:
-        actor.setup()
-        rollout.setup()
+        wait_all(setup_trainer(actor, blocking=False), rollout.setup(blocking=False))
+        sync = WeightSync(actor, rollout, bucket_bytes=4096, timeout_s=30)
+        sync.connect()
+        assert len(sync.plan) > 3, "small buckets: the transfer must span several"
         batch = sampled_batch(rollout, prompts, tokenizer.pad_token_id)
         batch["group_index"] = torch.arange(len(batch)) // 2
         batch["advantages"] = torch.randn(len(batch), 1).expand_as(batch["rollout_logprobs"]).contiguous()
@@ -85,17 +94,54 @@ def test_weight_transfer_makes_rollout_match_trainer(tiny_model_path, prompts):
         trained = actor.compute_logprobs(batch)["logprobs"]
         assert not torch.allclose(trained, before, atol=1e-4), "the train step changed nothing"
 
-        sync_weights(actor, rollout, version=1)
+        stats = sync.sync(version=1)
+        assert stats["bytes"] > 0 and stats["buckets"] == len(sync.plan)
         torch.testing.assert_close(rollout.compute_logprobs(batch)["logprobs"], trained, atol=1e-5, rtol=1e-5)
-        with pytest.raises(WorkerError, match=r"(?s)rollout rank 0.*not newer"):
-            rollout.load_weights(actor.export_weights(), 1)
+        with pytest.raises(ValueError, match="not newer"):
+            sync.sync(version=1)
     finally:
         actor.kill()
         rollout.kill()
 
 
-def test_two_rank_training_equals_one_rank(tiny_model_path, prompts):
-    """Gradients all-reduced over a global token count: 2 ranks x half batch == 1 rank x whole batch."""
+class StuckRolloutWorker(RolloutWorker):
+    """Rank 1 stops answering in the middle of a weight transfer."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def receive_weights(self, plan: list, version: int, timeout_s: float) -> dict[str, float]:
+        if self.rank == 1:
+            time.sleep(60)
+        return super().receive_weights(plan, version, timeout_s)
+
+
+def test_stuck_rollout_worker_makes_weight_transfer_time_out(tiny_model_path):
+    actor = Cluster("actor", ActorWorker, 1, actor_spec(tiny_model_path))
+    rollout = Cluster(
+        "rollout", StuckRolloutWorker, 2, Holder(ModelSpec(path=tiny_model_path)), max_concurrency=4
+    )
+    try:
+        wait_all(actor.setup(blocking=False), rollout.setup(blocking=False))
+        sync = WeightSync(actor, rollout, bucket_bytes=1 << 20, timeout_s=3)
+        sync.connect()
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError) as error:
+            sync.sync(version=1)
+        assert time.monotonic() - start < 20, "the timeout must end the transfer, not a hang"
+        message = str(error.value)
+        assert "version 1" in message and "from actor rank 0" in message
+        assert "rollout rank 1 did not answer" in message
+    finally:
+        actor.kill()
+        rollout.kill()
+
+
+def test_two_rank_fsdp_training_equals_one_rank(tiny_model_path, prompts, tmp_path):
+    """2 FSDP2 ranks x half batch == 1 rank x whole batch, losses within 1e-4 over 3 steps, also with
+    dynamic micro-batches (a token budget that gives the two ranks different micro-batch counts); the
+    checkpoint the two ranks save together is the trained model in plain HF format."""
+    from roll.models.loading import load_causal_lm
+    from roll.strategies.hf_forward import response_logprobs
+
     tokenizer = load_tokenizer(tiny_model_path)
     batch = prompt_batch(prompts, list(range(len(prompts))), tokenizer.pad_token_id)
     # Unequal response lengths per rank make a per-rank mean differ from the global token mean.
@@ -103,21 +149,33 @@ def test_two_rank_training_equals_one_rank(tiny_model_path, prompts):
     for key, value in response_tensors(tokenizer, answers, length=5).items():
         batch[key] = value
 
-    def train(world_size: int) -> tuple[list[float], torch.Tensor]:
-        actor = Cluster("actor", ActorWorker, world_size, actor_spec(tiny_model_path))
+    def train(world_size: int, **spec_changes) -> tuple[list[float], torch.Tensor]:
+        spec = dataclasses.replace(actor_spec(tiny_model_path), **spec_changes)
+        actor = Cluster("actor", ActorWorker, world_size, spec)
         try:
-            master = actor.master_address() if world_size > 1 else (None, None)
-            actor.setup(master_addr=master[0], master_port=master[1])
+            setup_trainer(actor)
             losses = [actor.sft_step(batch)["loss"] for _ in range(3)]
+            if world_size > 1:
+                actor.save_pretrained(str(tmp_path / "saved"))
             return losses, actor.compute_logprobs(batch)["logprobs"]
         finally:
             actor.kill()
 
     one_losses, one_logprobs = train(1)
-    two_losses, two_logprobs = train(2)
+    # Rank 0's rows hold 7 and 9 real tokens, rank 1's 11 and 8: a 16-token budget packs rank 0 into one
+    # micro-batch and rank 1 into two, so rank 0 must split its rows to keep in lockstep.
+    assert row_tokens(batch) == [7, 9, 11, 8]
+    two_losses, two_logprobs = train(2, micro_batch_tokens=16)
     assert pytest.approx(one_losses, abs=1e-4) == two_losses
     assert one_losses[-1] < one_losses[0]
     torch.testing.assert_close(one_logprobs, two_logprobs, atol=1e-4, rtol=1e-4)
+
+    saved = load_causal_lm(str(tmp_path / "saved"))
+    with torch.no_grad():
+        reloaded, _ = response_logprobs(saved, batch)
+    torch.testing.assert_close(reloaded, one_logprobs, atol=1e-4, rtol=1e-4)
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
 
 
 def test_reward_worker_error_names_role_and_rank():

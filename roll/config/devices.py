@@ -6,6 +6,7 @@ workers there. Roles: ``actor`` (the reference model shares its devices), ``crit
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from roll.distributed.device_mapping import RoleDevices, parse_device_mapping, role_devices, validate_plan
@@ -55,5 +56,6 @@ def check_devices(config: Any) -> list[str]:
         roles = role_plan(config)
     except ValueError as e:
         return [str(e)]
-    joining = config.ray.address is not None
+    # The same rule as init_ray: joining a running cluster, its device count is only known once joined.
+    joining = bool(config.ray.address or os.environ.get("RAY_ADDRESS"))
     return validate_plan(roles, None if joining else config.ray.num_gpus)

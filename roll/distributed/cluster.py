@@ -55,10 +55,17 @@ class ClusterFuture:
         return self._collect(wait_for_ranks(self.refs, self.role, self.method, self.timeout_s))
 
 
-def wait_for_ranks(refs: list[ray.ObjectRef], role: str, method: str, timeout_s: float) -> list[Any]:
-    """Results in rank order. Raises on the first rank that fails, without waiting for the others,
-    so a crashed rank is reported at once instead of after the peers blocked on it time out."""
-    rank_of = {ref: rank for rank, ref in enumerate(refs)}
+def wait_for_ranks(
+    refs: list[ray.ObjectRef],
+    role: str,
+    method: str,
+    timeout_s: float,
+    ranks: Sequence[int] | None = None,
+) -> list[Any]:
+    """Results in order of ``refs`` (rank order; ``ranks`` names the ranks when they are not 0..n-1).
+    Raises on the first rank that fails, without waiting for the others, so a crashed rank is reported
+    at once instead of after the peers blocked on it time out."""
+    rank_of = dict(zip(refs, ranks if ranks is not None else range(len(refs)), strict=True))
     results: dict[int, Any] = {}
     pending = list(refs)
     deadline = time.monotonic() + timeout_s
@@ -83,7 +90,7 @@ def wait_for_ranks(refs: list[ray.ObjectRef], role: str, method: str, timeout_s:
             raise WorkerError(role, rank_of[ref], method, f"the worker process died: {e}") from None
         except (GetTimeoutError, RayError) as e:
             raise WorkerError(role, rank_of[ref], method, repr(e)) from None
-    return [results[rank] for rank in range(len(refs))]
+    return [results[rank_of[ref]] for ref in refs]
 
 
 class Cluster:

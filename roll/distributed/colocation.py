@@ -8,8 +8,10 @@ the one stage that needs two: the trainer sends, the rollout engine receives).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from roll.distributed.cluster import Cluster
+if TYPE_CHECKING:
+    from roll.distributed.cluster import Cluster
 
 
 class Colocation:
@@ -18,7 +20,9 @@ class Colocation:
 
     def __init__(self, clusters: Mapping[str, Cluster], groups: Sequence[Sequence[str]]):
         self.clusters = dict(clusters)
-        self.groups = [list(g) for g in groups if len(g) > 1 and all(r in clusters for r in g)]
+        # A role without a cluster (e.g. no reference model when kl_coef is 0) holds nothing to move.
+        present = [[role for role in group if role in clusters] for group in groups]
+        self.groups = [group for group in present if len(group) > 1]
         self.on_device = {role: True for group in self.groups for role in group}
 
     @property

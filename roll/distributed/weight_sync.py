@@ -33,6 +33,7 @@ class WeightSync:
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.plan: list[Any] | None = None
         self.backend = "gloo"
+        self.version = -1  # the last version the receivers loaded
 
     def connect(self) -> None:
         """Form the collective group and agree on the bucket plan (once, after both clusters are set up)."""
@@ -50,6 +51,10 @@ class WeightSync:
 
     def sync(self, version: int) -> dict[str, float]:
         """Send the trainer's current weights as ``version``; returns bytes, seconds and throughput."""
+        if version <= self.version:
+            raise ValueError(
+                f"weights version {version} is not newer than the last one sent ({self.version})"
+            )
         if self.plan is None:
             self.connect()
         start = time.perf_counter()
@@ -59,6 +64,7 @@ class WeightSync:
             self.inference.receive_weights(self.plan, version, self.timeout_s, blocking=False),
         )
         seconds = time.perf_counter() - start
+        self.version = version
         nbytes = sent[0]["bytes"]
         return {
             "bytes": nbytes,
@@ -76,8 +82,9 @@ class WeightSync:
         while pending and time.monotonic() < deadline:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(1.0, self.timeout_s))
             if any(_failed(ref) for ref in refs if ref not in pending):
-                # Give the peers of a failed rank the rest of their own timeout to report too.
-                _, pending = ray.wait(pending, num_returns=len(pending), timeout=self.timeout_s + 5.0)
+                # The failed rank's peers time out of the same collective within timeout_s: wait for
+                # their errors, then call whoever is still silent stuck.
+                _, pending = ray.wait(pending, num_returns=len(pending), timeout=self.timeout_s + 1.0)
                 break
         errors = {refs[ref]: _error(ref) for ref in refs if ref not in pending and _failed(ref)}
         if not pending and not errors:

@@ -1,0 +1,360 @@
+"""Benchmark: trainer -> rollout weight sync (``roll.distributed.weight_sync.WeightSync``) by model size.
+
+What is measured, per model size:
+
+* a Qwen2 model (float32, tied embeddings, character tokenizer) is built locally with
+  ``save_tiny_model`` into a temporary directory; nothing is downloaded;
+* an actor Cluster of ``--trainer-ranks`` ``ActorWorker`` ranks (FSDP2 over gloo/NCCL when more than one,
+  set up with ``setup_trainer``) and a rollout Cluster of ``--rollout-workers`` ``RolloutWorker`` ranks
+  load it, and a ``WeightSync`` connects them (``--bucket-mb`` buckets);
+* one warm-up sync, then ``--repeats`` timed syncs with increasing versions. "sync s" is the median of
+  the timed syncs as the controller sees them (``WeightSync.sync``: Ray dispatch, header and verdict
+  collectives, packing on the trainer, one broadcast per bucket, loading into every rollout model, and
+  the final acknowledgement);
+* in the same process, a plain memory copy of the same number of bytes: ``dst.copy_(src)`` between two
+  preallocated float32 tensors (on the rollout workers' device), best of several.
+
+How to read the table: "GB/s" is model bytes / sync time, and "memcpy GB/s" is what one copy of the same
+bytes achieves on this machine right now. "ratio" = sync time / memcpy time, i.e. how many plain copies of
+the weights one sync costs. It compares across noisy or differently sized machines better than absolute
+numbers do. A sync moves the bytes at least 1 + 2 x workers times on a single host (pack on the sender,
+then per receiver the socket transfer and the copy into the model), so with gloo on one host a ratio of a
+few times the worker count is expected; a ratio far above that points to overhead (per-bucket latency,
+serialisation, CPU contention between the ranks sharing the cores).
+
+Run from the repository root::
+
+    python benchmarks/weight_sync.py [--sizes tiny,10m,50m,300m] [--trainer-ranks 1] \
+        [--rollout-workers 2] [--bucket-mb 256] [--repeats 3]
+
+Ray starts locally with ``--num-cpus`` CPUs unless ``RAY_ADDRESS`` names a cluster to join.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import ray
+import torch
+
+from roll.config.common import RayConfig, TinyModelConfig
+from roll.distributed.cluster import Cluster, wait_all
+from roll.distributed.ray_utils import init_ray
+from roll.distributed.weight_sync import WeightSync
+from roll.models.tiny import build_tiny_model, save_tiny_model
+from roll.models.tokenizer import build_char_tokenizer
+from roll.pipelines.common import setup_trainer
+from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
+from roll.workers.base import ModelSpec
+from roll.workers.rollout import RolloutWorker
+
+# The character alphabet fixes a 23-token vocabulary, so size comes from width and depth alone.
+SIZES: dict[str, TinyModelConfig] = {
+    "tiny": TinyModelConfig(),
+    "10m": TinyModelConfig(
+        hidden_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=1024,
+    ),
+    "50m": TinyModelConfig(
+        hidden_size=640,
+        num_hidden_layers=12,
+        num_attention_heads=10,
+        num_key_value_heads=2,
+        intermediate_size=1792,
+    ),
+    "300m": TinyModelConfig(
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        intermediate_size=2816,
+    ),
+}
+DEFAULT_SIZES = "tiny,10m,50m,300m"
+# Calls a rollout worker serves at once (as in the RLVR pipeline).
+ROLLOUT_CONCURRENCY = 8
+GIB = 1 << 30
+
+
+@dataclass
+class SizeResult:
+    name: str
+    params: int
+    nbytes: int
+    buckets: int
+    backend: str
+    build_s: float
+    setup_s: float
+    sync_s: list[float]
+    memcpy_s: float
+    peak_used_gib: float
+    total_s: float
+
+    @property
+    def sync_median_s(self) -> float:
+        return statistics.median(self.sync_s)
+
+
+class MemoryWatch:
+    """Samples the node's used memory (total - available, all processes) in a thread; keeps the peak."""
+
+    def __init__(self, interval_s: float = 0.05):
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> MemoryWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_bytes = max(self.peak_bytes, used_memory_bytes())
+            self._stop.wait(self.interval_s)
+
+
+def used_memory_bytes() -> int:
+    """MemTotal - MemAvailable from /proc/meminfo (0 where there is none, e.g. macOS)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    except OSError:
+        return 0
+    kib = {key: int(value.split()[0]) for key, value in fields.items() if key in ("MemTotal", "MemAvailable")}
+    return (kib.get("MemTotal", 0) - kib.get("MemAvailable", 0)) * 1024
+
+
+def parameter_count(cfg: TinyModelConfig) -> int:
+    """Distinct parameters of the model ``cfg`` builds (the tied head counted once), without allocating."""
+    tokenizer = build_char_tokenizer(cfg.alphabet, model_max_length=cfg.max_position_embeddings)
+    with torch.device("meta"):
+        model = build_tiny_model(cfg, tokenizer)
+    return sum(p.numel() for p in model.parameters())
+
+
+def memcpy_seconds(nbytes: int, device: torch.device, tries: int = 5) -> float:
+    """Best time of ``dst.copy_(src)`` between two preallocated, touched float32 tensors of ``nbytes``."""
+    numel = max(1, nbytes // 4)
+    src = torch.ones(numel, dtype=torch.float32, device=device)
+    dst = torch.zeros(numel, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(tries):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    return best
+
+
+def start_clusters(
+    model_path: str, trainer_ranks: int, rollout_workers: int, timeout_s: float
+) -> tuple[Cluster, Cluster]:
+    """The actor and rollout clusters, set up in parallel (models loaded, FSDP formed when sharded)."""
+    model = ModelSpec(path=model_path, dtype="float32")
+    actor_spec = ActorSpec(model=model, optimizer=OptimizerSpec(lr=1e-5, total_steps=1))
+    actor = Cluster("actor", ActorWorker, trainer_ranks, actor_spec, timeout_s=timeout_s)
+    rollout = Cluster(
+        "rollout",
+        RolloutWorker,
+        rollout_workers,
+        # Rollout workers read only ``config.model``. A stdlib namespace rather than a class of this
+        # script, so the workers can unpickle it even when the script is imported rather than run.
+        SimpleNamespace(model=model),
+        timeout_s=timeout_s,
+        max_concurrency=ROLLOUT_CONCURRENCY,
+    )
+    try:
+        wait_all(setup_trainer(actor, blocking=False), rollout.setup(blocking=False))
+    except BaseException:
+        kill_clusters(actor, rollout)
+        raise
+    return actor, rollout
+
+
+def kill_clusters(*clusters: Cluster) -> None:
+    for cluster in clusters:
+        cluster.kill()
+
+
+def bench_size(name: str, cfg: TinyModelConfig, args: argparse.Namespace) -> SizeResult:
+    """Build, load, connect, warm up and time the syncs of one model size; then the memcpy baseline."""
+    started = time.perf_counter()
+    params = parameter_count(cfg)
+    print(f"[{name}] {params / 1e6:.1f}M parameters: building the model ...", flush=True)
+    with tempfile.TemporaryDirectory(prefix=f"roll-bench-{name}-") as tmp, MemoryWatch() as memory:
+        path = str(save_tiny_model(cfg, Path(tmp) / "model"))
+        gc.collect()
+        build_s = time.perf_counter() - started
+        print(f"[{name}] built in {build_s:.1f} s; starting the clusters ...", flush=True)
+        setup_start = time.perf_counter()
+        actor, rollout = start_clusters(path, args.trainer_ranks, args.rollout_workers, args.timeout_s)
+        try:
+            setup_s = time.perf_counter() - setup_start
+            sync = WeightSync(actor, rollout, bucket_bytes=args.bucket_mb << 20, timeout_s=args.timeout_s)
+            sync.connect()
+            device = torch.device(rollout.device_type()[0])
+            print(f"[{name}] clusters up in {setup_s:.1f} s; warm-up sync ...", flush=True)
+            warm = sync.sync(version=1)
+            timed = [sync.sync(version=2 + i) for i in range(args.repeats)]
+            print(
+                f"[{name}] warm-up {warm['seconds']:.2f} s, timed "
+                + ", ".join(f"{t['seconds']:.2f}" for t in timed)
+                + " s",
+                flush=True,
+            )
+        finally:
+            kill_clusters(rollout, actor)
+        gc.collect()
+        # After the workers are gone, so the baseline neither competes with them for cores nor memory.
+        if device.type == "cuda" and not torch.cuda.is_available():
+            device = torch.device("cpu")  # the driver has no GPU of its own: compare with host memory
+        memcpy_s = memcpy_seconds(int(warm["bytes"]), device)
+        gc.collect()
+    return SizeResult(
+        name=name,
+        params=params,
+        nbytes=int(warm["bytes"]),
+        buckets=int(warm["buckets"]),
+        backend=sync.backend,
+        build_s=build_s,
+        setup_s=setup_s,
+        sync_s=[t["seconds"] for t in timed],
+        memcpy_s=memcpy_s,
+        peak_used_gib=memory.peak_bytes / GIB,
+        total_s=time.perf_counter() - started,
+    )
+
+
+COLUMNS = (
+    ("size", 6),
+    ("params", 8),
+    ("MB", 8),
+    ("buckets", 7),
+    ("sync s", 8),
+    ("GB/s", 7),
+    ("memcpy GB/s", 11),
+    ("ratio", 7),
+    ("build s", 7),
+    ("setup s", 7),
+    ("peak GiB", 8),
+    ("total s", 7),
+)
+
+
+def format_row(values: list[str]) -> str:
+    return "  ".join(value.rjust(width) for value, (_, width) in zip(values, COLUMNS))
+
+
+def result_row(r: SizeResult) -> str:
+    return format_row(
+        [
+            r.name,
+            f"{r.params / 1e6:.1f}M",
+            f"{r.nbytes / 1e6:.1f}",
+            str(r.buckets),
+            f"{r.sync_median_s:.3f}",
+            f"{r.nbytes / r.sync_median_s / 1e9:.2f}",
+            f"{r.nbytes / r.memcpy_s / 1e9:.2f}",
+            f"{r.sync_median_s / r.memcpy_s:.1f}",
+            f"{r.build_s:.1f}",
+            f"{r.setup_s:.1f}",
+            f"{r.peak_used_gib:.1f}",
+            f"{r.total_s:.1f}",
+        ]
+    )
+
+
+def machine_line(num_cpus: int | None) -> str:
+    """CPU count, torch/Ray versions and the transfer backend WeightSync will pick here."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    ray_cpus = ray.cluster_resources().get("CPU", 0)
+    joined = os.environ.get("RAY_ADDRESS")
+    where = f"joined {joined}" if joined else f"local, num_cpus={num_cpus}"
+    return (
+        f"machine: {platform.machine()} {os.cpu_count()} CPUs, {used_memory_bytes() / GIB:.1f} GiB in use; "
+        f"python {platform.python_version()}, torch {torch.__version__}, ray {ray.__version__}; "
+        f"Ray {where} ({ray_cpus:g} CPUs); backend {backend} "
+        f"({'CUDA' if torch.cuda.is_available() else 'CPU only'})"
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--sizes", default=DEFAULT_SIZES, help=f"Comma-separated, from {', '.join(SIZES)} (default: all)."
+    )
+    parser.add_argument("--trainer-ranks", type=int, default=1, help="ActorWorker ranks (>1: FSDP2).")
+    parser.add_argument("--rollout-workers", type=int, default=2, help="RolloutWorker ranks (receivers).")
+    parser.add_argument("--bucket-mb", type=int, default=256, help="Weight-transfer bucket size in MiB.")
+    parser.add_argument("--repeats", type=int, default=3, help="Timed syncs per size (after one warm-up).")
+    parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of a locally started Ray.")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="Timeout of each call and transfer.")
+    args = parser.parse_args(argv)
+    names = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SIZES]
+    if unknown or not names:
+        parser.error(f"unknown size(s) {unknown or args.sizes!r}; choose from {', '.join(SIZES)}")
+    for flag in ("trainer_ranks", "rollout_workers", "bucket_mb", "repeats"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    args.size_names = names
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from transformers.utils import logging as hf_logging
+
+    args = parse_args(argv)
+    started = time.perf_counter()
+    hf_logging.disable_progress_bar()  # one "writing shards" bar per size would break up the log
+    init_ray(RayConfig(num_cpus=args.num_cpus))
+    print(machine_line(args.num_cpus))
+    print(
+        f"trainer ranks {args.trainer_ranks}, rollout workers {args.rollout_workers}, "
+        f"bucket {args.bucket_mb} MiB, fp32, 1 warm-up + {args.repeats} timed syncs per size "
+        "(sync s = median)",
+        flush=True,
+    )
+    results = []
+    try:
+        for name in args.size_names:
+            results.append(bench_size(name, SIZES[name], args))
+    finally:
+        if results:
+            print()
+            print(format_row([title for title, _ in COLUMNS]))
+            for result in results:
+                print(result_row(result))
+            print(
+                "ratio = sync time / memcpy time of the same bytes; peak GiB = node memory in use "
+                "(all processes) at its highest during that size"
+            )
+        print(f"total wall time {time.perf_counter() - started:.1f} s", flush=True)
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
