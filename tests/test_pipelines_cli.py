@@ -93,6 +93,37 @@ def test_rlvr_with_kl_minibatches_and_several_ranks_per_role(repo_root, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("example", "colocated"), [("examples/colocated.yaml", True), ("examples/disaggregated.yaml", False)]
+)
+def test_device_mapped_examples_train(example, colocated, repo_root, tmp_path, ray_address):
+    """2 training ranks and 2 rollout workers on logical devices (the session Ray declares 4): colocated
+    roles offload between stages, disaggregated ones never do; weights travel over the transfer group."""
+    out = tmp_path / "run"
+    roll_train(
+        repo_root,
+        example,
+        f"output_dir={out}",
+        "sft_warm_start=null",
+        "steps=2",
+        "eval.every_steps=0",
+        "eval.max_prompts=16",
+        "tracking.backends=[jsonl]",
+        "algorithm.kl_coef=0.05",  # a reference model on the actor's devices too
+        "actor.micro_batch_tokens=64",
+        env={"RAY_ADDRESS": ray_address},
+    )
+    rows = [row for row in metrics(out) if "time/step_s" in row]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["sync/gb_per_s"] > 0
+        # Logical devices are CPU memory: offloading moves no bytes, but it must happen when colocated.
+        assert ("offload/rollout_bytes" in row) == colocated
+        assert ("offload/actor_bytes" in row) is True  # the reference and the actor share devices
+    assert (out / "model" / "config.json").is_file()
+
+
+@pytest.mark.slow
 def test_worker_failure_exits_with_an_error_naming_role_and_rank(repo_root, tmp_path, ray_address):
     # Rows have an answer, so they load; numeric_match then fails on the worker: the answer is no number.
     rows = tmp_path / "words.jsonl"
