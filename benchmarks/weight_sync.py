@@ -90,8 +90,6 @@ SIZES: dict[str, TinyModelConfig] = {
     ),
 }
 DEFAULT_SIZES = "tiny,10m,50m,300m"
-# Calls a rollout worker serves at once (as in the RLVR pipeline).
-ROLLOUT_CONCURRENCY = 8
 GIB = 1 << 30
 
 
@@ -193,7 +191,6 @@ def start_clusters(
         # script, so the workers can unpickle it even when the script is imported rather than run.
         SimpleNamespace(model=model),
         timeout_s=timeout_s,
-        max_concurrency=ROLLOUT_CONCURRENCY,
     )
     try:
         wait_all(setup_trainer(actor, blocking=False), rollout.setup(blocking=False))

@@ -28,7 +28,7 @@ def test_requests_spread_over_workers_and_match_batch_generation(tiny_model_path
     texts = [render_prompt(tokenizer, r["prompt"], True) for r in rows]
     prompts = PromptSet(rows, texts, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts])
     greedy = SamplingParams(max_new_tokens=6, greedy=True)
-    rollout = Cluster("rollout", RolloutWorker, 2, Holder(ModelSpec(path=tiny_model_path)), max_concurrency=4)
+    rollout = Cluster("rollout", RolloutWorker, 2, Holder(ModelSpec(path=tiny_model_path)))
     try:
         rollout.setup()
         router = RolloutRouter(rollout, timeout_s=30)

@@ -80,7 +80,7 @@ def test_weight_transfer_makes_rollout_match_trainer(tiny_model_path, prompts):
     logprobs equal the trainer's (tolerance 1e-5: the same fp32 weights, bit for bit)."""
     tokenizer = load_tokenizer(tiny_model_path)
     actor = Cluster("actor", ActorWorker, 2, actor_spec(tiny_model_path))
-    rollout = Cluster("rollout", RolloutWorker, 2, Holder(ModelSpec(path=tiny_model_path)), max_concurrency=4)
+    rollout = Cluster("rollout", RolloutWorker, 2, Holder(ModelSpec(path=tiny_model_path)))
     try:
         wait_all(setup_trainer(actor, blocking=False), rollout.setup(blocking=False))
         sync = WeightSync(actor, rollout, bucket_bytes=4096, timeout_s=30)
@@ -116,9 +116,7 @@ class StuckRolloutWorker(RolloutWorker):
 
 def test_stuck_rollout_worker_makes_weight_transfer_time_out(tiny_model_path):
     actor = Cluster("actor", ActorWorker, 1, actor_spec(tiny_model_path))
-    rollout = Cluster(
-        "rollout", StuckRolloutWorker, 2, Holder(ModelSpec(path=tiny_model_path)), max_concurrency=4
-    )
+    rollout = Cluster("rollout", StuckRolloutWorker, 2, Holder(ModelSpec(path=tiny_model_path)))
     try:
         wait_all(actor.setup(blocking=False), rollout.setup(blocking=False))
         sync = WeightSync(actor, rollout, bucket_bytes=1 << 20, timeout_s=3)

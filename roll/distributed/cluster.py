@@ -108,13 +108,13 @@ class Cluster:
         env: dict[str, str] | None = None,
         plugins: Sequence[str] = (),
         placements: Sequence[RankPlacement] | None = None,
-        max_concurrency: int = 1,
     ):
         """``plugins``: modules every worker imports at start (a config's ``imports``), found from the
         driver's working directory as well as the installed packages. ``placements`` (from
         ``placement.place_role``, one per rank) pins each rank to its devices; without them Ray places
-        the actors freely (CPU-only roles). ``max_concurrency`` > 1 makes threaded actors that serve several
-        calls at once (a rollout engine taking an abort while it generates)."""
+        the actors freely (CPU-only roles). A worker class may declare ``concurrency_groups`` (name ->
+        threads) for methods marked ``@ray.method(concurrency_group=...)``: those run beside the rest
+        (e.g. an abort reaching a rollout engine while it generates)."""
         if world_size < 1:
             raise ValueError(f"{role}: world_size must be >= 1 (got {world_size})")
         if placements is not None and len(placements) != world_size:
@@ -122,10 +122,17 @@ class Cluster:
         self.role, self.world_size, self.timeout_s = role, world_size, timeout_s
         # Fractional/zero CPU requests: the stages of one step run one after another, so actors
         # time-share the cores instead of each reserving one (a 2-core laptop holds every role).
-        remote_cls = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker)(worker_cls)
+        groups = getattr(worker_cls, "concurrency_groups", None)
+        remote_cls = ray.remote(
+            num_cpus=num_cpus_per_worker,
+            num_gpus=num_gpus_per_worker,
+            **({"concurrency_groups": dict(groups)} if groups else {}),
+        )(worker_cls)
         self.workers = []
         for rank in range(world_size):
-            options: dict[str, Any] = {"name": None, "max_concurrency": max_concurrency}
+            # Every other method runs on one thread: torch's CPU thread pool belongs to its calling thread,
+            # so compute spread over several threads would start several pools competing for the cores.
+            options: dict[str, Any] = {"name": None, "max_concurrency": 1}
             rank_env = env
             if placements is not None:
                 options.update(placements[rank].options)

@@ -16,8 +16,8 @@ from roll.strategies.sampling import SamplingParams
 
 
 class RolloutRouter:
-    """Routes requests to the workers of a rollout ``Cluster`` (started with ``max_concurrency`` > 1 so
-    that an abort reaches a worker while it generates)."""
+    """Routes requests to the workers of a rollout ``Cluster`` (``RolloutWorker`` serves requests and
+    aborts in their own threads, so an abort reaches a worker while it generates)."""
 
     def __init__(self, rollout: Cluster, timeout_s: float | None = None):
         self.rollout = rollout

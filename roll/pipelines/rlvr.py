@@ -56,9 +56,6 @@ from roll.workers.reference import ReferenceWorker
 from roll.workers.reward import RewardWorker
 from roll.workers.rollout import RolloutWorker
 
-# Calls a rollout worker serves at once: a generation plus aborts, single requests and weight updates.
-ROLLOUT_CONCURRENCY = 8
-
 
 class RLVRPipeline:
     def __init__(self, config: RLVRConfig):
@@ -137,14 +134,12 @@ class RLVRPipeline:
         self.actor = cluster(
             "actor", ActorWorker, cfg.actor.world_size, actor_spec, placements=placements("actor")
         )
-        # Threaded: an abort or a single request must reach the engine while it generates.
         self.rollout = cluster(
             "rollout",
             RolloutWorker,
             cfg.rollout.world_size,
             _Holder(model),
             placements=placements("rollout"),
-            max_concurrency=ROLLOUT_CONCURRENCY,
         )
         self.reward = cluster("reward", RewardWorker, cfg.reward_world_size, cfg.reward)
         self.reference = (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import ray
 import torch
 
 from roll.data.batch import Batch
@@ -21,9 +22,11 @@ REQUEST_METHODS = ("submit", "await_result", "abort")
 
 
 class RolloutWorker(ModelWorker):
-    """``config.model`` is a ModelSpec. Runs as a threaded actor: an ``abort`` or a request must reach the
-    engine while a generation is in progress (the engine serialises its own model use)."""
+    """``config.model`` is a ModelSpec. Single requests, aborts and shutdown run in their own threads
+    (the ``control`` group): they must reach the engine while a generation is in progress (the engine
+    serialises its own model use). Generation and weight loading share the actor's one main thread."""
 
+    concurrency_groups = {"control": 8}
     weights_version: int = -1
     engine: InferenceEngine
 
@@ -34,6 +37,7 @@ class RolloutWorker(ModelWorker):
         self.weight_group = None
 
     @register(Dispatch.ONE_TO_ALL)
+    @ray.method(concurrency_group="control")
     def shutdown(self) -> None:
         from roll.distributed.collective import destroy_group
 
@@ -49,12 +53,15 @@ class RolloutWorker(ModelWorker):
         return self.engine.generate(batch, params)
 
     # ------------------------------------------------------------ single requests (the router's path)
+    @ray.method(concurrency_group="control")
     def submit(self, request: GenerateRequest) -> None:
         self.engine.submit(request)
 
+    @ray.method(concurrency_group="control")
     def await_result(self, request_id: str, timeout_s: float | None = None) -> GenerateResult:
         return self.engine.await_result(request_id, timeout_s)
 
+    @ray.method(concurrency_group="control")
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
 

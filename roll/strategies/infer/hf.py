@@ -98,6 +98,9 @@ class HFEngine(InferenceEngine):
         self._eos_id: int = tokenizer.eos_token_id
         self._pad_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self._eos_id
         self._max_batch_size = max_batch_size
+        # torch's CPU thread count is per calling thread: generation in the serving thread or in another
+        # thread of a threaded actor must use the count the constructing thread was given, not one.
+        self._num_threads = torch.get_num_threads()
         # Lock order: _model_lock before _state_lock, never the reverse. _model_lock is held for every
         # use of the model (generation, weight copies, device moves) so weights never change mid-batch;
         # _state_lock guards the request book-keeping and is only held briefly.
@@ -165,6 +168,7 @@ class HFEngine(InferenceEngine):
         with self._model_lock:
             with self._state_lock:
                 self._check_serving()
+            torch.set_num_threads(self._num_threads)
             return hf_generate.generate(
                 self._model, batch, params, self._eos_id, self._pad_id, self._tokenizer
             )
@@ -235,6 +239,7 @@ class HFEngine(InferenceEngine):
 
     def _serve(self) -> None:
         """Run queued requests batch by batch until shutdown."""
+        torch.set_num_threads(self._num_threads)
         while True:
             with self._wakeup:
                 while not self._closed and (self._released or not self._queue):
