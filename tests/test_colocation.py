@@ -177,3 +177,42 @@ def test_every_colocated_role_starts_on_device(log) -> None:
     assert colo.groups == [["actor", "rollout"]]
     assert colo.on_device == {"actor": True, "rollout": True}
     assert log == []  # constructing moves nothing
+
+
+# --------------------------------------------------------------------------- start-up
+
+
+class FakeFuture:
+    def __init__(self, role: str, log: list[tuple[str, str]]):
+        self.role, self.log = role, log
+        log.append((role, "setup started"))
+
+    def get(self) -> None:
+        self.log.append((self.role, "setup done"))
+
+
+def test_start_loads_colocated_roles_one_at_a_time(log) -> None:
+    colo = colocated(log)  # actor, reference and rollout share devices; the critic has its own
+    setups = {
+        role: (lambda role=role: FakeFuture(role, log))
+        for role in ("actor", "rollout", "reference", "critic")
+    }
+    colo.start(setups)
+    # Wave 1: the critic (alone) and the group's first role; each grouped role is offloaded before the
+    # next one of its group starts, and the last stays on its devices.
+    assert log == [
+        ("critic", "setup started"),
+        ("actor", "setup started"),
+        ("critic", "setup done"),
+        ("actor", "setup done"),
+        ("actor", "offload"),
+        ("reference", "setup started"),
+        ("reference", "setup done"),
+        ("reference", "offload"),
+        ("rollout", "setup started"),
+        ("rollout", "setup done"),
+    ]
+    assert colo.on_device == {"actor": False, "reference": False, "rollout": True}
+    log.clear()
+    colo.use("actor")
+    assert log == [("rollout", "offload"), ("actor", "reload")]

@@ -7,8 +7,8 @@ the one stage that needs two: the trainer sends, the rollout engine receives).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from roll.distributed.cluster import Cluster
@@ -28,6 +28,26 @@ class Colocation:
     @property
     def active(self) -> bool:
         return bool(self.groups)
+
+    def start(self, setups: Mapping[str, Callable[[], Any]]) -> None:
+        """Run each role's setup (``setups[role]()`` returns a future with ``get()``) so that colocated
+        roles load one after another, each offloaded before the next loads: start-up, too, never holds
+        two of them on shared devices. Roles in no group, and the first role of every group, start at
+        once."""
+        waves: list[list[str]] = [[role for role in setups if role not in self.on_device]]
+        for group in self.groups:
+            for index, role in enumerate(group):
+                if index >= len(waves):
+                    waves.append([])
+                waves[index].append(role)
+        for wave in waves:
+            futures = [setups[role]() for role in wave]
+            for future in futures:
+                future.get()
+            for role in wave:
+                group = next((g for g in self.groups if role in g), None)
+                if group is not None and role != group[-1]:
+                    self._move(role, to_device=False, metrics={})
 
     def use(self, *roles: str) -> dict[str, float]:
         """Make ``roles`` resident and everything colocated with them offloaded; returns the bytes moved

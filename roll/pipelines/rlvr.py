@@ -20,7 +20,7 @@ from roll.config.rlvr import RLVRConfig
 from roll.config.sft import SFTConfig
 from roll.data.batch import Batch
 from roll.data.dataset import PromptIterator
-from roll.distributed.cluster import Cluster, wait_all
+from roll.distributed.cluster import Cluster
 from roll.distributed.colocation import Colocation
 from roll.distributed.device_mapping import colocation_groups, validate_plan
 from roll.distributed.placement import DeviceTable, RankPlacement, place_role
@@ -163,17 +163,16 @@ class RLVRPipeline:
             self.critic = cluster(
                 "critic", CriticWorker, cfg.critic.world_size, critic_spec, placements=placements("critic")
             )
-        futures = [setup_trainer(self.actor, blocking=False), self.rollout.setup(blocking=False)]
-        if self.critic is not None:
-            futures.append(setup_trainer(self.critic, blocking=False))
-        if self.reference is not None:
-            futures.append(self.reference.setup(blocking=False))
-        wait_all(*futures)
         clusters = {"actor": self.actor, "rollout": self.rollout}
         clusters.update(
             {name: c for name, c in (("reference", self.reference), ("critic", self.critic)) if c}
         )
         self.colocation = Colocation(clusters, colocation_groups(self.roles.values()))
+        setups = {name: functools.partial(c.setup, blocking=False) for name, c in clusters.items()}
+        for trainer in ("actor", "critic"):
+            if trainer in clusters:
+                setups[trainer] = functools.partial(setup_trainer, clusters[trainer], blocking=False)
+        self.colocation.start(setups)
         self.weight_sync = WeightSync(
             self.actor, self.rollout, bucket_bytes=cfg.rollout.weight_bucket_mb << 20, timeout_s=timeout
         )
