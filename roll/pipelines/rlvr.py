@@ -186,7 +186,6 @@ class RLVRPipeline:
         self.roles = {role.role: role for role in role_plan(cfg)}
         if cfg.algorithm.kl_coef > 0:  # the reference model lives on the actor's devices
             self.roles["reference"] = dataclasses.replace(self.roles["actor"], role="reference")
-        self.device_table = None
         if not any(role.device_mapping is not None for role in self.roles.values()):
             return lambda role: None
         self.device_table = DeviceTable.create(timeout_s=cfg.ray.call_timeout_s)

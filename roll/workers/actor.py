@@ -9,6 +9,7 @@ import torch
 
 from roll.config.rlvr import AlgorithmConfig
 from roll.data.batch import Batch
+from roll.distributed.collective import CollectiveGroup
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.weight_buckets import Bucket, metas_of
 from roll.distributed.worker import register
@@ -26,6 +27,8 @@ class ActorSpec(TrainerSpec):
 
 class ActorWorker(TrainerWorker):
     """``config`` is an ActorSpec."""
+
+    weight_group: CollectiveGroup | None = None  # rank 0's end of the weight transfer, once joined
 
     # ---------------------------------------------------------------- RL
     @register(Dispatch.DP_COMPUTE)
@@ -120,7 +123,7 @@ class ActorWorker(TrainerWorker):
         from roll.strategies.fsdp import full_tensor
 
         weights = dict(self._named_weights())
-        group = getattr(self, "weight_group", None) if self.rank == 0 else None
+        group = self.weight_group if self.rank == 0 else None
         on_gpu = group is not None and group.backend == "nccl"
         device = self.device if on_gpu else torch.device("cpu")
 
@@ -143,7 +146,7 @@ class ActorWorker(TrainerWorker):
     def shutdown(self) -> None:
         from roll.distributed.collective import destroy_group
 
-        if getattr(self, "weight_group", None) is not None:
+        if self.weight_group is not None:
             destroy_group(self.weight_group)
             self.weight_group = None
         super().shutdown()

@@ -41,11 +41,9 @@ class ModelWorker(Worker):
         # Per-shard progress bars from every worker would bury the training metrics.
         hf_logging.disable_progress_bar()
         spec: ModelSpec = self.config.model
-        # The node's cores: the stages of a step run one after another, so only one role is busy at a
-        # time (Ray would otherwise pin each zero-CPU actor to a single thread).
-        # Ranks of one role run at the same time, so they split the cores between them.
-        self.num_threads = max(1, (os.cpu_count() or 1) // self.world_size)
-        torch.set_num_threads(self.num_threads)
+        # The stages of a step run one after another, so one role at a time uses the node's cores (Ray
+        # would otherwise pin each zero-CPU actor to a single thread); its ranks run together and split them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
         torch.manual_seed(spec.seed + self.rank)
         self.device = pick_device()
         self.tokenizer = load_tokenizer(spec.path)
@@ -90,7 +88,6 @@ class ModelWorker(Worker):
         """``logprobs`` [B, R] of the response tokens under this worker's current weights."""
         from roll.strategies.hf_forward import response_logprobs
 
-        torch.set_num_threads(self.num_threads)  # per thread: a threaded actor may call from another one
         with torch.no_grad():  # not inference_mode: FSDP writes gathered weights in place
             logprobs, _ = response_logprobs(self.model, batch.to(self.device), temperature)
         return Batch(tensors={"logprobs": logprobs.cpu()})

@@ -211,14 +211,10 @@ class TrainerWorker(ModelWorker):
 
         start = time.perf_counter()
         moved = super()._move_states(device)["bytes"]
-        optimizer_states = [
-            t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)
-        ]
-        moving = [t for t in optimizer_states if t.device != device]
-        moved += tensor_bytes(moving)
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 if torch.is_tensor(value) and value.device != device:
+                    moved += tensor_bytes([value])
                     state[key] = value.to(device, non_blocking=True)
         if device.type == "cpu" and self.device.type == "cuda":
             torch.cuda.synchronize()
