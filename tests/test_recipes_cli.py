@@ -1,5 +1,9 @@
-"""Every recipe in examples/recipes runs through ``roll train``; PPO (critic + GAE) and a GRPO-family
-recipe run long enough to show the held-out score rising."""
+"""Every recipe in examples/recipes trains; PPO (critic + GAE) and a GRPO-family recipe run long enough
+through ``roll train`` to show the held-out score rising.
+
+The two-step smoke runs load the config and run the pipeline in the test process, on the session's Ray:
+a ``roll train`` subprocess per run would add about 5 s of start-up each, and the CLI path itself is
+tested by the long runs here and by test_pipelines_cli."""
 
 from __future__ import annotations
 
@@ -9,8 +13,17 @@ from pathlib import Path
 import pytest
 from test_pipelines_cli import metrics, roll_train
 
+from roll.config.loader import load_config
+from roll.pipelines.rlvr import RLVRPipeline
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(path.stem for path in (REPO_ROOT / "examples" / "recipes").glob("*.yaml"))
+
+
+def train_in_process(config: str, *overrides: str) -> None:
+    """Load ``config`` with ``overrides`` and run its RLVR pipeline here (the caller is at the repo root)."""
+    RLVRPipeline(load_config(config, overrides)).run()
+
 
 # What each recipe must log beyond the common metrics: evidence its algorithm really ran.
 RECIPE_METRICS = {
@@ -22,10 +35,10 @@ RECIPE_METRICS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_trains_two_steps(recipe, repo_root, tmp_path, ray_address):
+@pytest.mark.usefixtures("ray_session", "at_repo_root")
+def test_recipe_trains_two_steps(recipe, tmp_path):
     out = tmp_path / recipe
-    roll_train(
-        repo_root,
+    train_in_process(
         f"examples/recipes/{recipe}.yaml",
         f"output_dir={out}",
         "steps=2",
@@ -33,7 +46,6 @@ def test_recipe_trains_two_steps(recipe, repo_root, tmp_path, ray_address):
         "eval.every_steps=0",
         "eval.max_prompts=8",
         "tracking.backends=[jsonl]",
-        env={"RAY_ADDRESS": ray_address},
     )
     train_rows = [row for row in metrics(out) if "actor/loss" in row]
     assert [row["step"] for row in train_rows] == [1, 2]
@@ -77,10 +89,10 @@ def test_recipe_trains_two_steps(recipe, repo_root, tmp_path, ray_address):
     ],
     ids=["dual_clip_tis_adaptive_kl", "cispo_kl_in_reward_shaping"],
 )
-def test_algorithm_knobs_reach_the_workers(overrides, expected_metrics, repo_root, tmp_path, ray_address):
+@pytest.mark.usefixtures("ray_session", "at_repo_root")
+def test_algorithm_knobs_reach_the_workers(overrides, expected_metrics, tmp_path):
     out = tmp_path / "run"
-    roll_train(
-        repo_root,
+    train_in_process(
         "examples/quickstart.yaml",
         f"output_dir={out}",
         "sft_warm_start=null",
@@ -89,7 +101,6 @@ def test_algorithm_knobs_reach_the_workers(overrides, expected_metrics, repo_roo
         "eval.max_prompts=8",
         "tracking.backends=[jsonl]",
         *overrides,
-        env={"RAY_ADDRESS": ray_address},
     )
     rows = [row for row in metrics(out) if "actor/loss" in row]
     assert len(rows) == 3
