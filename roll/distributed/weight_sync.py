@@ -28,8 +28,17 @@ class WeightSyncError(RuntimeError):
 class WeightSync:
     """Connects ``trainer`` (an actor cluster) to ``inference`` (rollout workers) and moves weights."""
 
-    def __init__(self, trainer: Cluster, inference: Cluster, bucket_bytes: int, timeout_s: float):
-        self.trainer, self.inference = trainer, inference
+    def __init__(
+        self,
+        trainer: Cluster,
+        inference: Cluster,
+        bucket_bytes: int,
+        timeout_s: float,
+        colocated: bool = False,
+    ):
+        """``colocated``: trainer and engines share GPUs. NCCL cannot put two ranks of a group on one GPU,
+        so gloo carries such a transfer through host memory (a CUDA IPC path would avoid the copy)."""
+        self.trainer, self.inference, self.colocated = trainer, inference, colocated
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.plan: list[Any] | None = None
         self.backend = "gloo"
@@ -38,7 +47,7 @@ class WeightSync:
     def connect(self) -> None:
         """Form the collective group and agree on the bucket plan (once, after both clusters are set up)."""
         devices = {*self.trainer.device_type(), *self.inference.device_type()}
-        self.backend = "nccl" if devices == {"cuda"} else "gloo"
+        self.backend = "nccl" if devices == {"cuda"} and not self.colocated else "gloo"
         address, port = self.trainer.master_address()
         name = f"roll-weights-{os.getpid()}-{next(_group_ids)}"
         args = (name, self.backend, address, port, 1 + self.inference.world_size, self.timeout_s)

@@ -22,7 +22,7 @@ from roll.data.batch import Batch
 from roll.data.dataset import PromptIterator
 from roll.distributed.cluster import Cluster
 from roll.distributed.colocation import Colocation
-from roll.distributed.device_mapping import colocation_groups, validate_plan
+from roll.distributed.device_mapping import colocation_groups, is_colocated, validate_plan
 from roll.distributed.placement import DeviceTable, RankPlacement, place_role
 from roll.distributed.ray_utils import init_ray
 from roll.distributed.weight_sync import WeightSync
@@ -174,7 +174,11 @@ class RLVRPipeline:
                 setups[trainer] = functools.partial(setup_trainer, clusters[trainer], blocking=False)
         self.colocation.start(setups)
         self.weight_sync = WeightSync(
-            self.actor, self.rollout, bucket_bytes=cfg.rollout.weight_bucket_mb << 20, timeout_s=timeout
+            self.actor,
+            self.rollout,
+            bucket_bytes=cfg.rollout.weight_bucket_mb << 20,
+            timeout_s=timeout,
+            colocated=is_colocated(self.roles["actor"], self.roles["rollout"]),
         )
         self.weight_sync.connect()
 
