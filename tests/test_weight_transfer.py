@@ -390,3 +390,12 @@ def test_trainer_ranks_other_than_the_sender_only_gather() -> None:
     stats = send_weights(None, plan, source, version=5, timeout_s=1.0, device=CPU)
     assert source.calls == len(plan)
     assert stats["buckets"] == len(plan) and stats["bytes"] == sum(b.nbytes for b in plan)
+
+
+def test_transfer_backend_is_nccl_only_between_disjoint_gpus() -> None:
+    from roll.distributed.weight_sync import transfer_backend
+
+    assert transfer_backend({"cuda"}, colocated=False) == "nccl"
+    assert transfer_backend({"cuda"}, colocated=True) == "gloo"
+    assert transfer_backend({"cuda", "cpu"}, colocated=False) == "gloo"
+    assert transfer_backend({"cpu"}, colocated=False) == "gloo"

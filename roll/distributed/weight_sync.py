@@ -47,7 +47,7 @@ class WeightSync:
     def connect(self) -> None:
         """Form the collective group and agree on the bucket plan (once, after both clusters are set up)."""
         devices = {*self.trainer.device_type(), *self.inference.device_type()}
-        self.backend = "nccl" if devices == {"cuda"} and not self.colocated else "gloo"
+        self.backend = transfer_backend(devices, self.colocated)
         address, port = self.trainer.master_address()
         name = f"roll-weights-{os.getpid()}-{next(_group_ids)}"
         args = (name, self.backend, address, port, 1 + self.inference.world_size, self.timeout_s)
@@ -106,6 +106,12 @@ class WeightSync:
             f"weight transfer failed while {what}, from {sender} to {receivers} ({self.backend}):\n  "
             + "\n  ".join(lines)
         )
+
+
+def transfer_backend(device_types: set[str], colocated: bool) -> str:
+    """NCCL when every end computes on a GPU and no GPU holds two ends (NCCL cannot put two ranks of a
+    group on one device); gloo otherwise."""
+    return "nccl" if device_types == {"cuda"} and not colocated else "gloo"
 
 
 def _labelled(future: ClusterFuture) -> dict[ray.ObjectRef, str]:
