@@ -33,8 +33,7 @@ def role_plan(config: Any) -> list[RoleDevices]:
         if section is None:
             continue
         ndpw = getattr(section, "num_devices_per_worker", 1)
-        mapping = parse_device_mapping(section.device_mapping, f"{name}.device_mapping")
-        roles.append(role_devices(name, mapping, section.world_size, ndpw))
+        roles.append(role_devices(name, section.device_mapping, section.world_size, ndpw))
     return roles
 
 

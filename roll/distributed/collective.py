@@ -15,6 +15,7 @@ collective comes next, so every later call raises at once. Destroy it and create
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -143,27 +144,36 @@ def _wait(group: CollectiveGroup, work: Any, what: str, timeout_s: float, starte
         ) from exc
 
 
+def _run(group: CollectiveGroup, what: str, timeout_s: float, launch: Callable[[], Any]) -> None:
+    """Start one collective (``launch`` returns its work handle) on a usable group and wait for it."""
+    _check_usable(group, what)
+    started = time.monotonic()
+    try:
+        work = launch()
+    except RuntimeError as exc:
+        group.broken = f"{what} failed"
+        raise CollectiveError(f"{what} failed in {group.describe()}: {_first_line(exc)}") from exc
+    _wait(group, work, what, timeout_s, started)
+
+
 def broadcast(group: CollectiveGroup, tensor: torch.Tensor, src: int, timeout_s: float) -> None:
     """Broadcast ``tensor`` in place from group rank ``src`` to every rank of ``group``.
 
     Every rank passes a tensor of the same shape and dtype (gloo: on CPU; NCCL: on this rank's GPU).
     Raises :class:`CollectiveError` if the collective fails or does not finish within ``timeout_s``.
     """
-    what = f"broadcast from rank {src}"
-    _check_usable(group, what)
     options = dist.BroadcastOptions()
     options.rootRank = src
     options.rootTensor = 0
     # Also bound the backend's own operation: after wait() gives up, gloo's worker thread would otherwise
     # stay blocked for the group's default timeout.
     options.timeout = timedelta(seconds=timeout_s)
-    started = time.monotonic()
-    try:
-        work = group.backend_object.broadcast([tensor], options)
-    except RuntimeError as exc:
-        group.broken = f"{what} failed"
-        raise CollectiveError(f"{what} failed in {group.describe()}: {_first_line(exc)}") from exc
-    _wait(group, work, what, timeout_s, started)
+    _run(
+        group,
+        f"broadcast from rank {src}",
+        timeout_s,
+        lambda: group.backend_object.broadcast([tensor], options),
+    )
 
 
 def all_reduce_max(group: CollectiveGroup, tensor: torch.Tensor, timeout_s: float) -> None:
@@ -172,18 +182,10 @@ def all_reduce_max(group: CollectiveGroup, tensor: torch.Tensor, timeout_s: floa
     Used to agree on a verdict (each rank raises a flag; every rank sees all flags). Raises
     :class:`CollectiveError` on failure or timeout, like :func:`broadcast`.
     """
-    what = "all-reduce"
-    _check_usable(group, what)
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.MAX
     options.timeout = timedelta(seconds=timeout_s)
-    started = time.monotonic()
-    try:
-        work = group.backend_object.allreduce([tensor], options)
-    except RuntimeError as exc:
-        group.broken = f"{what} failed"
-        raise CollectiveError(f"{what} failed in {group.describe()}: {_first_line(exc)}") from exc
-    _wait(group, work, what, timeout_s, started)
+    _run(group, "all-reduce", timeout_s, lambda: group.backend_object.allreduce([tensor], options))
 
 
 def destroy_group(group: CollectiveGroup) -> None:
