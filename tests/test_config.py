@@ -21,7 +21,7 @@ from roll.config import (
     load_config,
     to_yaml,
 )
-from roll.config.fields import field_docs
+from roll.config.fields import field_docs, nested_dataclass, out_of_bounds
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = "examples/quickstart.yaml"
@@ -559,3 +559,57 @@ def test_imports_register_a_custom_reward_that_validation_accepts(tmp_path: Path
 def test_imports_of_a_missing_module_are_a_config_error() -> None:
     message = load_error(["imports=[no_such_roll_plugin]"])
     assert "imports" in message and "no_such_roll_plugin" in message
+
+
+# --------------------------------------------------------------------------- declared bounds
+
+# Numeric fields that take any value, or whose range is checked together with other fields.
+UNBOUNDED = {
+    "seed",  # any integer seeds an RNG
+    "model.tiny.seed",
+    "rollout.num_devices_per_worker",  # checked with the device mapping it divides
+    "algorithm.clip_ratio_low",  # in (0, 1): an open interval, checked in check_algorithm
+    "algorithm.clip_ratio_c",  # > 1, but only when policy_loss is dual_clip
+}
+
+
+def numeric_fields(cls: type, prefix: str = "") -> dict[str, dataclasses.Field]:
+    hints = typing.get_type_hints(cls)
+    found: dict[str, dataclasses.Field] = {}
+    for f in dataclasses.fields(cls):
+        inner = nested_dataclass(hints[f.name])
+        if inner is not None:
+            found.update(numeric_fields(inner, f"{prefix}{f.name}."))
+        elif {int, float} & {hints[f.name], *typing.get_args(hints[f.name])}:
+            found[prefix + f.name] = f
+    return found
+
+
+@pytest.mark.parametrize("schema", [RLVRConfig, SFTConfig])
+def test_every_numeric_field_declares_its_bounds(schema: type) -> None:
+    # A new field without bounds would accept -1 silently and fail (or misbehave) mid-run.
+    fields = numeric_fields(schema)
+    unbounded = {name for name, f in fields.items() if "bounds" not in f.metadata} - UNBOUNDED
+    assert unbounded == set()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("actor.weight_decay=-0.1", "actor.weight_decay must be >= 0 (got -0.1)"),
+        ("sft_warm_start.warmup_steps=-5", "sft_warm_start.warmup_steps must be >= 0 (got -5)"),
+        ("algorithm.gamma=0", "algorithm.gamma must be in (0, 1] (got 0.0)"),
+        ("rollout.weight_bucket_mb=0", "rollout.weight_bucket_mb must be > 0 (got 0)"),
+        ("ray.num_gpus=-2", "ray.num_gpus must be >= 0 (got -2)"),
+        ("ray.progress_every_s=-1", "ray.progress_every_s must be >= 0 (got -1.0)"),
+        ("model.tiny.num_hidden_layers=0", "model.tiny.num_hidden_layers must be > 0 (got 0)"),
+        ("algorithm.reward_shaping.length_penalty_coef=-1", "length_penalty_coef must be >= 0 (got -1.0)"),
+    ],
+)
+def test_out_of_bounds_values_name_the_key_and_the_range(override: str, message: str) -> None:
+    assert message in load_error([override])
+
+
+def test_an_unset_optional_value_is_not_checked_against_its_bounds() -> None:
+    cfg = load_config(QUICKSTART, ["actor.mini_batch_size=null", "eval.max_prompts=null"])
+    assert out_of_bounds(cfg) == []

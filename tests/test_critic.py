@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from roll.data.batch import Batch
+from roll.data.prompts import PromptSet, render_prompt
 from roll.distributed.cluster import Cluster
 from roll.models.loading import load_tokenizer, load_value_model
-from roll.pipelines.common import PromptSet, prompt_batch, render_prompt, response_tensors
+from roll.pipelines.common import prompt_batch, response_tensors
 from roll.strategies.hf_forward import response_values
 from roll.workers.base import ModelSpec
 from roll.workers.critic import CriticSpec, CriticWorker

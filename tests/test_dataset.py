@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from roll.data.dataset import DatasetError, PromptIterator, load_jsonl
+from roll.data.dataset import DatasetError, PromptIterator, load_jsonl, read_jsonl
 
 
 def write(tmp_path, text: str, name: str = "data.jsonl"):
@@ -150,3 +150,22 @@ def test_load_state_dict_rejects_changed_setup():
         PromptIterator(rows(11), batch_size=2, seed=1).load_state_dict(state)
     with pytest.raises(DatasetError, match="seed"):
         PromptIterator(rows(10), batch_size=2, seed=2).load_state_dict(state)
+
+
+def test_load_jsonl_rejects_bytes_that_are_not_utf8_naming_the_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n\n{"prompt": "\xff"}\n')
+    with pytest.raises(DatasetError, match="not valid UTF-8") as info:
+        load_jsonl(path)
+    assert f"{path}:3: not valid UTF-8 (byte 0xff at column 13)" in str(info.value)
+
+
+def test_load_jsonl_accepts_a_byte_order_mark(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes('\ufeff{"prompt": "a"}\n{"prompt": "b"}\n'.encode())
+    assert [row["prompt"] for row in load_jsonl(path)] == ["a", "b"]
+
+
+def test_read_jsonl_gives_file_line_numbers(tmp_path):
+    path = write(tmp_path, '{"prompt": "a"}\n\n\n{"prompt": "b"}\n')
+    assert read_jsonl(path) == [(1, {"prompt": "a"}), (4, {"prompt": "b"})]

@@ -81,12 +81,12 @@ def test_base_cycle_is_reported(tmp_path: Path) -> None:
         (["algorithm.kl_target=0.01"], ["kl_target", "kl_coef > 0"]),
         (
             ["algorithm.kl_coef=0.1", "algorithm.kl_target=-1"],
-            ["kl_target and algorithm.kl_horizon must be > 0"],
+            ["algorithm.kl_target must be > 0 (got -1.0)"],
         ),
         (["algorithm.policy_loss=dual_clip", "algorithm.clip_ratio_c=1.0"], ["clip_ratio_c must be > 1"]),
         (["algorithm.tis_cap=0.5"], ["tis_cap must be >= 1"]),
         (["algorithm.clip_ratio_low=1.5"], ["clip_ratio_low must be in (0, 1)"]),
-        (["algorithm.lam=1.5"], ["lam in [0, 1]"]),
+        (["algorithm.lam=1.5"], ["algorithm.lam must be in [0, 1] (got 1.5)"]),
         (["algorithm.reward_shaping.overlong_buffer=9"], ["overlong_buffer (9)", "max_new_tokens=4"]),
         (["algorithm.reward_shaping.clip=0"], ["reward_shaping.clip must be > 0"]),
         (

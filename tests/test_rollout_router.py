@@ -6,10 +6,11 @@ import dataclasses
 
 import pytest
 
+from roll.data.prompts import PromptSet, render_prompt
 from roll.distributed.cluster import Cluster, WorkerError
 from roll.distributed.router import RolloutRouter
 from roll.models.loading import load_tokenizer
-from roll.pipelines.common import PromptSet, prompt_batch, render_prompt
+from roll.pipelines.common import prompt_batch
 from roll.strategies.sampling import SamplingParams
 from roll.workers.base import ModelSpec
 from roll.workers.rollout import RolloutWorker

@@ -12,12 +12,13 @@ import torch
 from roll.config.rlvr import AlgorithmConfig
 from roll.data.batch import Batch
 from roll.data.micro_batches import row_tokens
+from roll.data.prompts import PromptSet, render_prompt
 from roll.distributed.cluster import Cluster, WorkerError, wait_all
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.weight_sync import WeightSync, WeightSyncError
 from roll.distributed.worker import register
 from roll.models.loading import load_tokenizer
-from roll.pipelines.common import PromptSet, prompt_batch, render_prompt, response_tensors, setup_trainer
+from roll.pipelines.common import prompt_batch, response_tensors, setup_trainer
 from roll.strategies.sampling import SamplingParams
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
 from roll.workers.base import ModelSpec

@@ -13,12 +13,12 @@ class TinyModelConfig:
     """A small Qwen2-style model with a character tokenizer, built locally for tests and demos."""
 
     alphabet: str = option("0123456789+-*=() ", help="Characters the tokenizer knows; each is one token.")
-    hidden_size: int = option(128, help="Width of the residual stream.")
-    num_hidden_layers: int = option(2, help="Number of transformer blocks.")
-    num_attention_heads: int = option(4, help="Query heads per attention layer.")
-    num_key_value_heads: int = option(2, help="Key/value heads (grouped-query attention).")
-    intermediate_size: int = option(512, help="Width of the MLP.")
-    max_position_embeddings: int = option(64, help="Longest sequence (prompt + response) in tokens.")
+    hidden_size: int = option(128, gt=0, help="Width of the residual stream.")
+    num_hidden_layers: int = option(2, gt=0, help="Number of transformer blocks.")
+    num_attention_heads: int = option(4, gt=0, help="Query heads per attention layer.")
+    num_key_value_heads: int = option(2, gt=0, help="Key/value heads (grouped-query attention).")
+    intermediate_size: int = option(512, gt=0, help="Width of the MLP.")
+    max_position_embeddings: int = option(64, gt=0, help="Longest sequence (prompt + response) in tokens.")
     seed: int = option(0, help="Seed for the random initial weights.")
 
 
@@ -44,7 +44,9 @@ class DataConfig:
     prompt_key: str = option("prompt", help="Row field holding the prompt text.")
     response_key: str = option("answer", help="Row field holding the reference response (the SFT target).")
     apply_chat_template: bool = option(True, help="Wrap prompts in the tokenizer's chat template.")
-    max_prompt_length: int = option(64, help="Prompts longer than this many tokens are rejected at load.")
+    max_prompt_length: int = option(
+        64, gt=0, help="Prompts longer than this many tokens are rejected at load."
+    )
 
 
 @dataclass
@@ -54,14 +56,29 @@ class RayConfig:
     address: str | None = option(
         None, help="Existing Ray cluster to join (also read from RAY_ADDRESS); a local one starts if unset."
     )
-    num_cpus: int | None = option(None, help="CPUs for a locally started Ray; all of them when unset.")
+    num_cpus: int | None = option(None, ge=0, help="CPUs for a locally started Ray; all of them when unset.")
     num_gpus: int | None = option(
         None,
+        ge=0,
         help="Devices for a locally started Ray; unset detects the GPUs. On a CPU-only machine a number "
         "declares logical devices, so device_mapping configs run (and place workers) there too.",
     )
     call_timeout_s: float = option(
-        900.0, help="Seconds any remote call may take before the driver raises an error naming role and rank."
+        900.0,
+        gt=0,
+        help="Seconds any remote call may take before the driver raises an error naming role and rank.",
+    )
+    liveness_timeout_s: float = option(
+        30.0,
+        ge=0,
+        help="A worker that answered before and leaves a heartbeat unanswered this long while the driver "
+        "waits on it (frozen, stopped, deadlocked) ends the run with an error naming role and rank "
+        "(0 disables).",
+    )
+    progress_every_s: float = option(
+        60.0,
+        ge=0,
+        help="While a remote call runs longer than this, print which ranks it waits on (0: never).",
     )
 
 
@@ -72,14 +89,18 @@ class TrackingConfig:
     backends: list[str] = option(
         ["console", "jsonl", "tensorboard"], help="Metric sinks: console, jsonl, tensorboard."
     )
-    log_every: int = option(1, help="Write metrics every N steps (console prints a line every N steps too).")
+    log_every: int = option(
+        1, ge=1, help="Write metrics every N steps (console prints a line every N steps too)."
+    )
 
 
 @dataclass
 class EvalConfig:
     """Greedy evaluation on held-out prompts; the score is the mean reward, logged as eval/score."""
 
-    every_steps: int = option(50, help="Evaluate every N training steps (0: only before and after training).")
-    max_prompts: int | None = option(None, help="Evaluate on at most this many held-out prompts.")
-    max_new_tokens: int = option(16, help="Longest greedy answer in tokens.")
-    batch_size: int = option(256, help="Prompts per generation call during evaluation.")
+    every_steps: int = option(
+        50, ge=0, help="Evaluate every N training steps (0: only before and after training)."
+    )
+    max_prompts: int | None = option(None, ge=1, help="Evaluate on at most this many held-out prompts.")
+    max_new_tokens: int = option(16, gt=0, help="Longest greedy answer in tokens.")
+    batch_size: int = option(256, gt=0, help="Prompts per generation call during evaluation.")

@@ -1,4 +1,4 @@
-"""``option``: a dataclass field that carries its one-line documentation."""
+"""``option``: a dataclass field that carries its one-line documentation and, optionally, its bounds."""
 
 from __future__ import annotations
 
@@ -10,11 +10,23 @@ from typing import Any
 REQUIRED = "???"
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "") -> Any:  # noqa: A002 - mirrors argparse
-    """Declare a config field with its default and a one-line doc shown by ``roll config --docs``."""
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",  # noqa: A002 - mirrors argparse
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    le: float | None = None,
+) -> Any:
+    """Declare a config field with its default, a one-line doc shown by ``roll config --docs`` and the
+    bounds its value must respect (``gt``: >, ``ge``: >=, ``le``: <=; an unset optional value is not
+    checked). ``out_of_bounds`` reports violations under the field's dotted key at load time."""
     if not help:
         raise ValueError("every config field needs a one-line help text")
-    metadata = {"help": help}
+    metadata: dict[str, Any] = {"help": help}
+    bounds = {name: value for name, value in (("gt", gt), ("ge", ge), ("le", le)) if value is not None}
+    if bounds:
+        metadata["bounds"] = bounds
     if default is dataclasses.MISSING:
         # OmegaConf's marker for a mandatory value: reading it unset raises MissingMandatoryValue.
         return dataclasses.field(default=REQUIRED, metadata={**metadata, "required": True})
@@ -42,3 +54,35 @@ def field_docs(cls: type, prefix: str = "") -> dict[str, str]:
         if inner is not None:
             docs.update(field_docs(inner, prefix=f"{name}."))
     return docs
+
+
+def _bound_text(bounds: dict[str, float]) -> str:
+    low = "(" if "gt" in bounds else "[" if "ge" in bounds else None
+    if low is not None and "le" in bounds:
+        return f"in {low}{bounds.get('gt', bounds.get('ge'))}, {bounds['le']}]"
+    if "le" in bounds:
+        return f"<= {bounds['le']}"
+    return f"> {bounds['gt']}" if "gt" in bounds else f">= {bounds['ge']}"
+
+
+def _within(value: float, bounds: dict[str, float]) -> bool:
+    return (
+        ("gt" not in bounds or value > bounds["gt"])
+        and ("ge" not in bounds or value >= bounds["ge"])
+        and ("le" not in bounds or value <= bounds["le"])
+    )
+
+
+def out_of_bounds(config: Any, prefix: str = "") -> list[str]:
+    """``"<key> must be > 0 (got -1)"`` for every field of ``config`` (nested sections too) whose value
+    is outside the bounds its ``option`` declares."""
+    problems = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            problems += out_of_bounds(value, prefix=f"{prefix}{f.name}.")
+            continue
+        bounds = f.metadata.get("bounds")
+        if bounds and isinstance(value, (int, float)) and not _within(value, bounds):
+            problems.append(f"{prefix}{f.name} must be {_bound_text(bounds)} (got {value})")
+    return problems

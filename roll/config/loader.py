@@ -96,7 +96,8 @@ def _read_yaml(path: str | os.PathLike, children: tuple[Path, ...] = ()) -> Any:
     """The YAML mapping at ``path``; a ``base: other.yaml`` key (relative to this file) is loaded first
     and this file's keys are merged over it, so a recipe states only how it differs from its base."""
     if not Path(path).is_file():
-        raise ConfigError(f"config file '{path}' does not exist")
+        what = "is a directory, not a YAML file" if Path(path).is_dir() else "does not exist"
+        raise ConfigError(f"config file '{path}' {what}")
     try:
         raw = OmegaConf.load(path)
     except Exception as e:  # yaml.YAMLError and friends: report them the same way
@@ -109,7 +110,8 @@ def _read_yaml(path: str | os.PathLike, children: tuple[Path, ...] = ()) -> Any:
     base_path = Path(path).parent / str(base)
     chain = (*children, Path(path).resolve())
     if not base_path.is_file():
-        raise ConfigError(f"{path}: `base: {base}` names {base_path}, which does not exist")
+        what = "is a directory, not a YAML file" if base_path.is_dir() else "does not exist"
+        raise ConfigError(f"{path}: `base: {base}` names {base_path}, which {what}")
     if base_path.resolve() in chain:
         raise ConfigError(f"{path}: `base: {base}` makes a cycle: {' -> '.join(map(str, chain))}")
     return OmegaConf.merge(_read_yaml(base_path, chain), raw)

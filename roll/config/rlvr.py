@@ -16,6 +16,7 @@ class RolloutConfig:
 
     world_size: int | None = option(
         None,
+        gt=0,
         help="Rollout (inference) workers; prompts are split across them. Unset: one per "
         "num_devices_per_worker devices of device_mapping, or 1.",
     )
@@ -28,14 +29,16 @@ class RolloutConfig:
         1, help="Devices per rollout worker (model-parallel inference); device_mapping holds whole workers."
     )
     weight_bucket_mb: int = option(
-        256, help="Weight transfer from the trainer: the size of each broadcast bucket in MiB."
+        256, gt=0, help="Weight transfer from the trainer: the size of each broadcast bucket in MiB."
     )
-    rollout_batch_size: int = option(8, help="Prompts per training step.")
-    num_return_sequences: int = option(8, help="Samples per prompt: the group size for group baselines.")
-    max_new_tokens: int = option(16, help="Longest sampled response in tokens.")
-    temperature: float = option(1.0, help="Sampling temperature (keep near 1 for exploration).")
-    top_p: float = option(1.0, help="Nucleus sampling mass (1 disables).")
-    top_k: int = option(0, help="Sample among the k most likely tokens (0 disables).")
+    rollout_batch_size: int = option(8, gt=0, help="Prompts per training step.")
+    num_return_sequences: int = option(
+        8, gt=0, help="Samples per prompt: the group size for group baselines."
+    )
+    max_new_tokens: int = option(16, gt=0, help="Longest sampled response in tokens.")
+    temperature: float = option(1.0, gt=0, help="Sampling temperature (keep near 1 for exploration).")
+    top_p: float = option(1.0, gt=0, le=1, help="Nucleus sampling mass (1 disables).")
+    top_k: int = option(0, ge=0, help="Sample among the k most likely tokens (0 disables).")
 
 
 @dataclass
@@ -43,29 +46,34 @@ class ActorConfig:
     """The trained policy: PPO-style updates on the rollout batch."""
 
     world_size: int | None = option(
-        None, help="Data-parallel (FSDP2) training ranks. Unset: one per device of device_mapping, or 1."
+        None,
+        gt=0,
+        help="Data-parallel (FSDP2) training ranks. Unset: one per device of device_mapping, or 1.",
     )
     device_mapping: list[int] | None = option(
         None,
         help="Global device indices of the training ranks, a list or 'range(0,4)'; the reference model "
         "shares them. Unset: CPU ranks (world_size of them).",
     )
-    lr: float = option(1e-5, help="Peak learning rate (AdamW); RL wants 10-100x less than SFT.")
-    weight_decay: float = option(0.0, help="AdamW weight decay.")
-    warmup_steps: int = option(0, help="Linear warmup steps.")
+    lr: float = option(1e-5, gt=0, help="Peak learning rate (AdamW); RL wants 10-100x less than SFT.")
+    weight_decay: float = option(0.0, ge=0, help="AdamW weight decay.")
+    warmup_steps: int = option(0, ge=0, help="Linear warmup steps.")
     lr_scheduler: Literal["constant", "linear", "cosine"] = option(
         "constant", help="Learning-rate schedule after warmup; linear/cosine decay to 0 at the last step."
     )
-    max_grad_norm: float = option(1.0, help="Gradient-norm clip (0 disables).")
-    ppo_epochs: int = option(1, help="Passes over each rollout batch.")
+    max_grad_norm: float = option(1.0, ge=0, help="Gradient-norm clip (0 disables).")
+    ppo_epochs: int = option(1, gt=0, help="Passes over each rollout batch.")
     mini_batch_size: int | None = option(
-        None, help="Samples per optimizer step; unset means the whole rollout batch (one step per epoch)."
+        None,
+        gt=0,
+        help="Samples per optimizer step; unset means the whole rollout batch (one step per epoch).",
     )
     micro_batch_size: int = option(
-        64, help="Samples per forward/backward on one rank (gradient accumulation)."
+        64, gt=0, help="Samples per forward/backward on one rank (gradient accumulation)."
     )
     micro_batch_tokens: int | None = option(
         None,
+        ge=1,
         help="Dynamic micro-batches: pack samples up to this many real (prompt + response) tokens per "
         "forward/backward instead of micro_batch_size samples (unset: fixed micro_batch_size).",
     )
@@ -77,16 +85,17 @@ class RewardShapingConfig:
 
     overlong_buffer: int = option(
         0,
+        ge=0,
         help="DAPO overlong penalty: responses longer than max_new_tokens - this lose up to "
         "overlong_penalty_factor, linearly (0 disables).",
     )
-    overlong_penalty_factor: float = option(1.0, help="DAPO overlong penalty at max_new_tokens.")
+    overlong_penalty_factor: float = option(1.0, ge=0, help="DAPO overlong penalty at max_new_tokens.")
     length_penalty_coef: float = option(
-        0.0, help="Subtract coef * length / max_new_tokens from every score (0 disables)."
+        0.0, ge=0, help="Subtract coef * length / max_new_tokens from every score (0 disables)."
     )
     normalize: bool = option(False, help="Standardise scores over the batch (zero mean, unit std).")
     clip: float | None = option(
-        None, help="Clip scores to [-clip, clip] after normalisation (unset: no clip)."
+        None, gt=0, help="Clip scores to [-clip, clip] after normalisation (unset: no clip)."
     )
 
 
@@ -100,16 +109,18 @@ class AlgorithmConfig:
         "reinforce_plus_plus_baseline, reinforce_baseline, gae (needs a critic).",
     )
     norm_adv_by_std: bool = option(True, help="grpo: divide group-centred rewards by the group std.")
-    gamma: float = option(1.0, help="Discount per token for gae and reinforce_plus_plus returns.")
-    lam: float = option(1.0, help="gae: lambda, the bias/variance trade-off (1: Monte-Carlo returns).")
+    gamma: float = option(1.0, gt=0, le=1, help="Discount per token for gae and reinforce_plus_plus returns.")
+    lam: float = option(
+        1.0, ge=0, le=1, help="gae: lambda, the bias/variance trade-off (1: Monte-Carlo returns)."
+    )
     whiten_advantages: bool = option(False, help="Standardise advantages over the batch's response tokens.")
-    advantage_clip: float | None = option(None, help="Clip advantages to [-x, x] (unset: no clip).")
+    advantage_clip: float | None = option(None, gt=0, help="Clip advantages to [-x, x] (unset: no clip).")
     policy_loss: str = option(
         "ppo_clip", help="Policy loss (registry name): ppo_clip, dual_clip, gspo, cispo."
     )
     clip_ratio_low: float = option(0.2, help="Importance-ratio clip: lower bound is 1 - clip_ratio_low.")
     clip_ratio_high: float = option(
-        0.2, help="Importance-ratio clip: upper bound is 1 + clip_ratio_high (DAPO clip-higher: 0.28)."
+        0.2, gt=0, help="Importance-ratio clip: upper bound is 1 + clip_ratio_high (DAPO clip-higher: 0.28)."
     )
     clip_ratio_c: float = option(3.0, help="dual_clip: negative-advantage tokens lose at most c * |A|.")
     loss_agg_mode: str = option(
@@ -119,19 +130,26 @@ class AlgorithmConfig:
     )
     tis_cap: float | None = option(
         None,
+        ge=1,
         help="Truncated importance sampling: weight each token by min(pi_trainer / pi_engine, cap) to "
         "correct engine/trainer mismatch (unset disables).",
     )
-    kl_coef: float = option(0.0, help="Weight of the KL to the reference model; 0 skips the reference model.")
+    kl_coef: float = option(
+        0.0, ge=0, help="Weight of the KL to the reference model; 0 skips the reference model."
+    )
     kl_estimator: str = option("k3", help="KL estimator (registry name): k1, k2, k3, abs.")
     kl_penalty: Literal["loss", "reward"] = option(
         "loss", help="Where the KL goes: a loss term, or subtracted from each token's reward (PPO-RLHF)."
     )
     kl_target: float | None = option(
-        None, help="Adaptive KL: steer kl_coef so the KL per token nears this (unset: kl_coef stays fixed)."
+        None,
+        gt=0,
+        help="Adaptive KL: steer kl_coef so the KL per token nears this (unset: kl_coef stays fixed).",
     )
-    kl_horizon: int = option(10000, help="Adaptive KL: samples over which kl_coef adapts (larger: slower).")
-    entropy_coef: float = option(0.0, help="Entropy bonus weight (0 disables).")
+    kl_horizon: int = option(
+        10000, gt=0, help="Adaptive KL: samples over which kl_coef adapts (larger: slower)."
+    )
+    entropy_coef: float = option(0.0, ge=0, help="Entropy bonus weight (0 disables).")
     reward_shaping: RewardShapingConfig = field(
         default_factory=RewardShapingConfig, metadata={"help": "Score penalties, normalisation, clipping."}
     )
@@ -144,9 +162,9 @@ class CriticConfig(ActorConfig):
     model_path: str | None = option(
         None, help="Value model directory; unset starts from the policy's initial weights with a new head."
     )
-    lr: float = option(1e-5, help="Peak learning rate (AdamW) of the value model.")
+    lr: float = option(1e-5, gt=0, help="Peak learning rate (AdamW) of the value model.")
     value_clip: float = option(
-        0.2, help="Clip each value's move from its rollout-time estimate to +-value_clip (0 disables)."
+        0.2, ge=0, help="Clip each value's move from its rollout-time estimate to +-value_clip (0 disables)."
     )
 
 
@@ -161,7 +179,7 @@ class RLVRConfig:
     imports: list[str] = option(
         [], help="Your modules that register rewards or algorithms (imported in the driver and every worker)."
     )
-    steps: int = option(100, help="RL training steps (one rollout batch each).")
+    steps: int = option(100, gt=0, help="RL training steps (one rollout batch each).")
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The initial policy."})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Prompt data."})
     sft_warm_start: SFTTrainConfig | None = field(
@@ -179,7 +197,7 @@ class RLVRConfig:
         None,
         help="Reward function for eval/score; unset uses `reward` (train on partial credit, eval exact).",
     )
-    reward_world_size: int = option(1, help="Reward workers; responses are split across them.")
+    reward_world_size: int = option(1, gt=0, help="Reward workers; responses are split across them.")
     eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "Held-out evaluation."})
     tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"help": "Metric sinks."})
     ray: RayConfig = field(default_factory=RayConfig, metadata={"help": "Ray connection."})

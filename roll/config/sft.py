@@ -13,17 +13,19 @@ from roll.config.fields import option
 class SFTTrainConfig:
     """Optimisation of the SFT loss (token-mean cross-entropy on response tokens only)."""
 
-    steps: int = option(300, help="Optimizer steps.")
-    batch_size: int = option(64, help="Rows per optimizer step (global, across data-parallel ranks).")
-    micro_batch_size: int = option(64, help="Rows per forward/backward on one rank (gradient accumulation).")
-    lr: float = option(1e-3, help="Peak learning rate (AdamW).")
-    weight_decay: float = option(0.0, help="AdamW weight decay.")
-    warmup_steps: int = option(0, help="Linear warmup steps.")
+    steps: int = option(300, gt=0, help="Optimizer steps.")
+    batch_size: int = option(64, gt=0, help="Rows per optimizer step (global, across data-parallel ranks).")
+    micro_batch_size: int = option(
+        64, gt=0, help="Rows per forward/backward on one rank (gradient accumulation)."
+    )
+    lr: float = option(1e-3, gt=0, help="Peak learning rate (AdamW).")
+    weight_decay: float = option(0.0, ge=0, help="AdamW weight decay.")
+    warmup_steps: int = option(0, ge=0, help="Linear warmup steps.")
     lr_scheduler: Literal["constant", "linear", "cosine"] = option(
         "constant", help="Learning-rate schedule after warmup; linear/cosine decay to 0 at the last step."
     )
-    max_grad_norm: float = option(1.0, help="Gradient-norm clip (0 disables).")
-    world_size: int = option(1, help="Data-parallel training ranks.")
+    max_grad_norm: float = option(1.0, ge=0, help="Gradient-norm clip (0 disables).")
+    world_size: int = option(1, gt=0, help="Data-parallel training ranks.")
 
 
 @dataclass

@@ -8,7 +8,7 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["DatasetError", "load_jsonl", "PromptIterator"]
+__all__ = ["DatasetError", "load_jsonl", "read_jsonl", "PromptIterator"]
 
 
 class DatasetError(ValueError):
@@ -16,15 +16,20 @@ class DatasetError(ValueError):
 
 
 def load_jsonl(path: str | os.PathLike, required_keys: Sequence[str] = ()) -> list[dict]:
-    """Read one JSON object per line; blank lines are skipped.
+    """Read one JSON object per line; blank lines are skipped (see ``read_jsonl``)."""
+    return [row for _, row in read_jsonl(path, required_keys)]
+
+
+def read_jsonl(path: str | os.PathLike, required_keys: Sequence[str] = ()) -> list[tuple[int, dict]]:
+    """``(line number, row)`` for every JSON object in a JSONL file; blank lines are skipped.
 
     Args:
         path: the ``.jsonl`` file.
         required_keys: keys every row must have (e.g. ``("prompt", "answer")``).
 
     Raises:
-        DatasetError: the file is missing or empty, or a line is not valid JSON, not an object, or lacks
-            a required key. Messages name ``file:line``.
+        DatasetError: the file is missing or empty, or a line is not UTF-8, not valid JSON, not an
+            object, or lacks a required key. Messages name ``file:line``.
     """
     file = Path(path)
     if not file.is_file():
@@ -33,12 +38,20 @@ def load_jsonl(path: str | os.PathLike, required_keys: Sequence[str] = ()) -> li
             f"dataset file '{path}' {what} (set data.train_path / data.eval_path to a JSONL file; "
             f"relative paths are resolved from the working directory {os.getcwd()})"
         )
-    rows: list[dict] = []
-    with file.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    rows: list[tuple[int, dict]] = []
+    with file.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                # utf-8-sig: a byte-order mark that some editors write first is not part of the JSON.
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(
+                    f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                    "JSONL files must be UTF-8: re-save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
@@ -50,7 +63,7 @@ def load_jsonl(path: str | os.PathLike, required_keys: Sequence[str] = ()) -> li
                 raise DatasetError(
                     f"{where}: row is missing required key(s) {missing}; the row has keys {sorted(row)}"
                 )
-            rows.append(row)
+            rows.append((lineno, row))
     if not rows:
         raise DatasetError(f"dataset file '{path}' has no rows (it is empty or only blank lines)")
     return rows

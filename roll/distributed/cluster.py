@@ -3,14 +3,15 @@
 Driver code calls ``cluster.method(batch)`` and never touches Ray handles: every ``@register``-ed worker
 method becomes a Cluster method that splits its arguments per the dispatch mode, calls every rank,
 waits with a timeout and merges the results. An exception on any rank is raised in the driver as one
-``WorkerError`` naming the role, the rank, the method and carrying the remote traceback.
+``WorkerError`` naming the role, the rank, the method and carrying the remote traceback. While a call
+waits, the ranks it waits on are watched (``roll.distributed.liveness``): a frozen one fails the call
+with ``WorkerUnresponsiveError`` and long calls log their progress.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
-import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,26 +20,26 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from roll.distributed.dispatch import DISPATCH_MODES, Dispatch
+from roll.distributed.errors import WorkerError, WorkerTimeoutError, WorkerUnresponsiveError
+from roll.distributed.liveness import HEALTH_GROUP, Liveness, RankHealth, RankWatch, WatchedRank
 from roll.distributed.placement import RankPlacement
 from roll.distributed.worker import Worker, registered_methods
 
-
-class WorkerError(RuntimeError):
-    """A remote worker failed; ``role`` and ``rank`` say which one."""
-
-    def __init__(self, role: str, rank: int, method: str, detail: str):
-        # Ray colours remote tracebacks for terminals; in log files the escape codes are noise.
-        detail = re.sub(r"\x1b\[[0-9;]*m", "", detail)
-        super().__init__(f"{role} rank {rank} failed in {method}():\n{detail}")
-        self.role, self.rank, self.method = role, rank, method
-
-
-class WorkerTimeoutError(WorkerError, TimeoutError):
-    """A remote call did not finish within the configured timeout."""
+__all__ = [
+    "Cluster",
+    "ClusterFuture",
+    "WorkerError",
+    "WorkerTimeoutError",
+    "WorkerUnresponsiveError",
+    "caller_signature",
+    "wait_all",
+    "wait_for_ranks",
+]
 
 
 class ClusterFuture:
-    """Pending results of one Cluster call; ``get()`` waits (with the cluster's timeout) and merges them."""
+    """Pending results of one Cluster call; ``get()`` waits (with the cluster's timeout, watching the
+    ranks' heartbeats) and merges them."""
 
     def __init__(
         self,
@@ -47,12 +48,16 @@ class ClusterFuture:
         role: str,
         method: str,
         timeout_s: float,
+        watch: RankWatch | None = None,
     ):
         self.refs, self._collect = refs, collect
         self.role, self.method, self.timeout_s = role, method, timeout_s
+        self.watch = watch
 
     def get(self) -> Any:
-        return self._collect(wait_for_ranks(self.refs, self.role, self.method, self.timeout_s))
+        return self._collect(
+            wait_for_ranks(self.refs, self.role, self.method, self.timeout_s, watch=self.watch)
+        )
 
 
 def wait_for_ranks(
@@ -61,18 +66,24 @@ def wait_for_ranks(
     method: str,
     timeout_s: float,
     ranks: Sequence[int] | None = None,
+    watch: RankWatch | None = None,
 ) -> list[Any]:
     """Results in order of ``refs`` (rank order; ``ranks`` names the ranks when they are not 0..n-1).
     Raises on the first rank that fails, without waiting for the others, so a crashed rank is reported
-    at once instead of after the peers blocked on it time out."""
+    at once instead of after the peers blocked on it time out. With a ``watch``, a rank that stops
+    answering heartbeats fails the call long before ``timeout_s`` and long calls log their progress."""
     rank_of = dict(zip(refs, ranks if ranks is not None else range(len(refs)), strict=True))
     results: dict[int, Any] = {}
     pending = list(refs)
     deadline = time.monotonic() + timeout_s
+    poll_s = watch.poll_every_s if watch is not None else None
     while pending:
         remaining = deadline - time.monotonic()
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(remaining, 0))
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(min(remaining, poll_s or remaining), 0))
         if not ready:
+            if time.monotonic() < deadline:
+                watch.poll((role, rank_of[r]) for r in pending)  # type: ignore[union-attr]
+                continue
             ranks = sorted(rank_of[r] for r in pending)
             raise WorkerTimeoutError(
                 role,
@@ -90,6 +101,8 @@ def wait_for_ranks(
             raise WorkerError(role, rank_of[ref], method, f"the worker process died: {e}") from None
         except (GetTimeoutError, RayError) as e:
             raise WorkerError(role, rank_of[ref], method, repr(e)) from None
+        if watch is not None:
+            watch.answered(role, rank_of[ref])
     return [results[rank_of[ref]] for ref in refs]
 
 
@@ -108,13 +121,16 @@ class Cluster:
         env: dict[str, str] | None = None,
         plugins: Sequence[str] = (),
         placements: Sequence[RankPlacement] | None = None,
+        liveness: Liveness | None = None,
     ):
         """``plugins``: modules every worker imports at start (a config's ``imports``), found from the
         driver's working directory as well as the installed packages. ``placements`` (from
         ``placement.place_role``, one per rank) pins each rank to its devices; without them Ray places
         the actors freely (CPU-only roles). A worker class may declare ``concurrency_groups`` (name ->
         threads) for methods marked ``@ray.method(concurrency_group=...)``: those run beside the rest
-        (e.g. an abort reaching a rollout engine while it generates)."""
+        (e.g. an abort reaching a rollout engine while it generates); every worker also answers
+        heartbeats that way. ``liveness`` says how long a silent rank is tolerated while a call waits
+        on it and how often long calls report progress (``roll.distributed.liveness``)."""
         if world_size < 1:
             raise ValueError(f"{role}: world_size must be >= 1 (got {world_size})")
         if placements is not None and len(placements) != world_size:
@@ -122,12 +138,12 @@ class Cluster:
         self.role, self.world_size, self.timeout_s = role, world_size, timeout_s
         # Fractional/zero CPU requests: the stages of one step run one after another, so actors
         # time-share the cores instead of each reserving one (a 2-core laptop holds every role).
-        groups = getattr(worker_cls, "concurrency_groups", None)
+        groups = {HEALTH_GROUP: 1, **getattr(worker_cls, "concurrency_groups", {})}
         remote_cls = ray.remote(
-            num_cpus=num_cpus_per_worker,
-            num_gpus=num_gpus_per_worker,
-            **({"concurrency_groups": dict(groups)} if groups else {}),
+            num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker, concurrency_groups=groups
         )(worker_cls)
+        self.liveness = liveness or Liveness()
+        self.health = [RankHealth() for _ in range(world_size)]
         self.workers = []
         for rank in range(world_size):
             # Every other method runs on one thread: torch's CPU thread pool belongs to its calling thread,
@@ -155,7 +171,7 @@ class Cluster:
             per_rank = dispatch.split(self.world_size, args, kwargs)
             pairs = zip(self.workers, per_rank, strict=True)
             refs = [getattr(w, name).remote(*a, **k) for w, (a, k) in pairs]
-            future = ClusterFuture(refs, dispatch.collect, self.role, name, self.timeout_s)
+            future = ClusterFuture(refs, dispatch.collect, self.role, name, self.timeout_s, self.watch(name))
             return future.get() if blocking else future
 
         # Document the caller from the worker class's own method (not the base Worker's, which most
@@ -168,10 +184,19 @@ class Cluster:
         call.__signature__ = caller_signature(method)  # type: ignore[attr-defined]
         return call
 
+    def watch(self, method: str, ranks: Sequence[int] | None = None) -> RankWatch:
+        """Heartbeats and progress for a call of ``method`` waiting on ``ranks`` (default: all)."""
+        ranks = range(self.world_size) if ranks is None else ranks
+        watched = [WatchedRank(self.role, r, method, self.workers[r], self.health[r]) for r in ranks]
+        return RankWatch(watched, self.liveness)
+
     def kill(self) -> None:
         """Ask every rank to release its resources, then end the actors."""
+        # A frozen rank would only make everyone wait for its answer: it is killed without asking.
+        answering = [rank for rank in range(self.world_size) if not self.health[rank].frozen]
         try:
-            wait_for_ranks([w.shutdown.remote() for w in self.workers], self.role, "shutdown", 10.0)
+            refs = [self.workers[rank].shutdown.remote() for rank in answering]
+            wait_for_ranks(refs, self.role, "shutdown", 10.0, answering)
         except WorkerError:
             pass  # a worker that cannot shut down cleanly is killed below all the same
         for worker in self.workers:

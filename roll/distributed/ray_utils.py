@@ -6,12 +6,15 @@ import logging
 import os
 
 from roll.config.common import RayConfig
+from roll.config.loader import ConfigError
+from roll.utils import signals
 
 
 def init_ray(cfg: RayConfig) -> None:
     """Join ``cfg.address`` (or ``RAY_ADDRESS``) when set, else start a local Ray.
 
-    A no-op when Ray is already running in this process."""
+    A no-op when Ray is already running in this process. A cluster that cannot be joined is a
+    ConfigError naming the setting (``preflight.check_ray_address`` catches a dead address earlier)."""
     import ray
 
     if ray.is_initialized():
@@ -20,6 +23,12 @@ def init_ray(cfg: RayConfig) -> None:
     # Workers find `roll` through the installed package; keep Ray's own logs quiet so metrics stay readable.
     common = {"logging_level": logging.WARNING, "log_to_driver": True}
     if address:
-        ray.init(address=address, **common)
+        key = "ray.address" if cfg.address else "RAY_ADDRESS"
+        try:
+            ray.init(address=address, **common)
+        except ConnectionError as e:
+            raise ConfigError(f"{key}: cannot join the Ray cluster at '{address}': {e}") from None
     else:
         ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False, **common)
+    # Ray's core worker has just replaced the SIGTERM handler with one that dumps a stack and aborts.
+    signals.reinstall()

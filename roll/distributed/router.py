@@ -63,5 +63,8 @@ class RolloutRouter:
         worker = self.rollout.workers[rank]
         ref: ray.ObjectRef = getattr(worker, method).remote(*args)
         # Reuse the cluster's error reporting: role, rank, method and the remote traceback.
-        (result,) = wait_for_ranks([ref], self.rollout.role, method, timeout_s or self.timeout_s, [rank])
+        watch = self.rollout.watch(method, [rank])
+        (result,) = wait_for_ranks(
+            [ref], self.rollout.role, method, timeout_s or self.timeout_s, [rank], watch
+        )
         return result

@@ -17,6 +17,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from roll.distributed.cluster import Cluster, ClusterFuture
+from roll.distributed.liveness import RankWatch
 
 _group_ids = itertools.count()
 
@@ -87,9 +88,15 @@ class WeightSync:
         # The collectives time out on their own after timeout_s; the margin lets their errors arrive first.
         deadline = time.monotonic() + self.timeout_s * 1.5 + 10.0
         refs = {**_labelled(send), **_labelled(receive)}
+        ranks = {
+            ref: (future.role, rank) for future in (send, receive) for rank, ref in enumerate(future.refs)
+        }
+        # A frozen end would hold every other end in the collective until the timeout: watch them all.
+        watch = RankWatch.combine(send.watch, receive.watch)
         pending = list(refs)
         while pending and time.monotonic() < deadline:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(1.0, self.timeout_s))
+            watch.poll(ranks[ref] for ref in pending)
             if any(_failed(ref) for ref in refs if ref not in pending):
                 # The failed rank's peers time out of the same collective within timeout_s: wait for
                 # their errors, then call whoever is still silent stuck.

@@ -9,7 +9,10 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import ray
+
 from roll.distributed.dispatch import Dispatch
+from roll.distributed.liveness import HEALTH_GROUP
 from roll.utils.plugins import import_plugins
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -65,8 +68,6 @@ class Worker:
     @register(Dispatch.ONE_TO_ALL)
     def ping(self) -> dict[str, Any]:
         """Who and where this rank is: role, rank, process, host, Ray node and devices."""
-        import ray
-
         return {
             "role": self.role,
             "rank": self.rank,
@@ -76,6 +77,12 @@ class Worker:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "devices": os.environ.get("ROLL_DEVICES"),
         }
+
+    @ray.method(concurrency_group=HEALTH_GROUP)
+    def heartbeat(self) -> tuple[int, str]:
+        """Answered from a thread of its own while the main thread computes: the driver's proof that
+        this process is alive and not frozen (``roll.distributed.liveness``). Says where it runs."""
+        return os.getpid(), socket.gethostname()
 
     @register(Dispatch.ONE_TO_ALL)
     def shutdown(self) -> None:
@@ -89,6 +96,4 @@ class Worker:
     @register(Dispatch.RANK_ZERO)
     def master_address(self) -> tuple[str, int]:
         """This node's IP and a free port: rank 0's answer becomes the torch.distributed rendezvous."""
-        import ray
-
         return ray.util.get_node_ip_address(), self.free_port()

@@ -13,16 +13,18 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-
-import torch
-from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
+from typing import TYPE_CHECKING
 
 from roll.config.common import TinyModelConfig
-from roll.models.tokenizer import build_char_tokenizer
+
+if TYPE_CHECKING:  # torch and transformers load in seconds: only building a model needs them
+    from transformers import PreTrainedTokenizerBase, Qwen2ForCausalLM
 
 # Written last into a saved model directory: its presence marks the save complete, its content says
 # which config built the model (so a later call with the same config can skip the rebuild).
 TINY_CONFIG_FILE = "roll_tiny_config.json"
+# Where a pipeline builds its tiny model, inside the run's output directory.
+TINY_MODEL_DIR = "tiny_model"
 
 
 def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase) -> Qwen2ForCausalLM:
@@ -31,6 +33,9 @@ def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase) -
     Initialisation is seeded by ``cfg.seed`` inside a forked RNG, so the same config always gives the
     same weights and the caller's global torch RNG state is left untouched.
     """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
@@ -74,7 +79,7 @@ def _is_built_from(path: Path, cfg: TinyModelConfig) -> bool:
     return _stored_config(path) == _config_json(cfg) and (path / "config.json").is_file()
 
 
-def _check_replaceable(path: Path) -> None:
+def check_replaceable(path: Path) -> None:
     """Refuse to replace anything at ``path`` that this module did not create (or an empty directory)."""
     if not path.exists():
         return
@@ -114,10 +119,12 @@ def save_tiny_model(cfg: TinyModelConfig, path: str | os.PathLike) -> Path:
     path = Path(path)
     if _is_built_from(path, cfg):
         return path
-    _check_replaceable(path)
+    check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Stage beside the target so the final rename stays on one filesystem (and so is atomic).
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
+    from roll.models.tokenizer import build_char_tokenizer
+
     try:
         tokenizer = build_char_tokenizer(cfg.alphabet, model_max_length=cfg.max_position_embeddings)
         model = build_tiny_model(cfg, tokenizer)

@@ -6,16 +6,15 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from roll.config.common import DataConfig, EvalConfig, ModelConfig
+from roll.config.common import EvalConfig, ModelConfig
 from roll.data.batch import Batch
-from roll.data.dataset import DatasetError, load_jsonl
 from roll.data.padding import left_pad, right_pad
+from roll.data.prompts import PromptSet
 from roll.distributed.cluster import Cluster
 from roll.strategies.sampling import SamplingParams
 from roll.tracking import Tracker
@@ -27,56 +26,10 @@ def prepare_model(model: ModelConfig, output_dir: str) -> str:
         return model.path
     from transformers.utils import logging as hf_logging
 
-    from roll.models.tiny import save_tiny_model
+    from roll.models.tiny import TINY_MODEL_DIR, save_tiny_model
 
     hf_logging.disable_progress_bar()  # one shard of a tiny model needs no progress bar
-    return str(save_tiny_model(model.tiny, Path(output_dir) / "tiny_model"))
-
-
-@dataclass
-class PromptSet:
-    """Dataset rows with their rendered prompt text and token ids (tokenised once, at load)."""
-
-    rows: list[dict]
-    texts: list[str]
-    token_ids: list[list[int]]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-
-def render_prompt(tokenizer: Any, prompt: str, apply_chat_template: bool) -> str:
-    if not apply_chat_template:
-        return prompt
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-    )
-
-
-def load_prompts(
-    path: str, tokenizer: Any, data: DataConfig, required_keys: tuple[str, ...] = ()
-) -> PromptSet:
-    """Read a JSONL file and tokenise every prompt; too-long prompts are an error naming file and line."""
-    rows = load_jsonl(path, required_keys=(data.prompt_key, *required_keys))
-    texts = [render_prompt(tokenizer, str(row[data.prompt_key]), data.apply_chat_template) for row in rows]
-    token_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-    for index, ids in enumerate(token_ids):
-        if len(ids) > data.max_prompt_length:
-            raise DatasetError(
-                f"{path}: row {index + 1} has a {len(ids)}-token prompt, longer than "
-                f"data.max_prompt_length={data.max_prompt_length}; raise it or shorten the prompt"
-            )
-    return PromptSet(rows, texts, token_ids)
-
-
-def load_datasets(
-    data: DataConfig, tokenizer: Any, train_fields: tuple[str, ...] = (), eval_fields: tuple[str, ...] = ()
-) -> tuple[PromptSet, PromptSet | None]:
-    """The training prompts and, when ``data.eval_path`` is set, the held-out ones; every row must have
-    the listed fields (what the rewards and the SFT target read), checked now rather than mid-run."""
-    train = load_prompts(data.train_path, tokenizer, data, train_fields)
-    held_out = load_prompts(data.eval_path, tokenizer, data, eval_fields) if data.eval_path else None
-    return train, held_out
+    return str(save_tiny_model(model.tiny, Path(output_dir) / TINY_MODEL_DIR))
 
 
 def setup_trainer(actor: Cluster, blocking: bool = True) -> Any:
@@ -129,11 +82,11 @@ def evaluate(
     scores, lengths = [], []
     for start in range(0, count, batch_size):
         batch = prompt_batch(prompts, list(range(start, min(start + batch_size, count))), pad_id)
-        padded, num_padded = batch.pad_to_divisor(divisor)
-        generated = generate(padded, params).unpad(num_padded)
-        scored = batch.union(generated)
-        scores.append(score(scored))
-        lengths.append(generated["response_mask"].sum(dim=1).float())
+        # The padding rows stay through scoring (the reward workers split the batch too), then go.
+        padded, _ = batch.pad_to_divisor(divisor)
+        scored = padded.union(generate(padded, params))
+        scores.append(score(scored)[: len(batch)])
+        lengths.append(scored["response_mask"][: len(batch)].sum(dim=1).float())
     return {
         "eval/score": torch.cat(scores).mean().item(),
         "eval/response_length": torch.cat(lengths).mean().item(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,15 +24,14 @@ from roll.data.dataset import PromptIterator
 from roll.distributed.cluster import Cluster
 from roll.distributed.colocation import Colocation
 from roll.distributed.device_mapping import colocation_groups, is_colocated, validate_plan
+from roll.distributed.liveness import Liveness
 from roll.distributed.placement import DeviceTable, RankPlacement, place_role
 from roll.distributed.ray_utils import init_ray
 from roll.distributed.weight_sync import WeightSync
-from roll.models.loading import load_tokenizer
 from roll.pipelines.common import (
     StageTimer,
     evaluate,
     is_eval_step,
-    load_datasets,
     open_tracker,
     prepare_model,
     prompt_batch,
@@ -46,9 +46,10 @@ from roll.pipelines.credit import (
     shape_scores,
     shaping_enabled,
 )
-from roll.rewards import required_fields
+from roll.pipelines.preflight import RunInputs, preflight
 from roll.strategies.sampling import SamplingParams
 from roll.tracking import Tracker
+from roll.utils.signals import set_activity
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
 from roll.workers.base import ModelSpec
 from roll.workers.critic import CriticSpec, CriticWorker
@@ -58,28 +59,18 @@ from roll.workers.rollout import RolloutWorker
 
 
 class RLVRPipeline:
-    def __init__(self, config: RLVRConfig):
+    def __init__(self, config: RLVRConfig, inputs: RunInputs | None = None):
+        """``inputs``: what ``preflight(config)`` returned, when the caller ran it already (the CLI
+        does, before importing Ray); otherwise preflight runs here. Nothing is written and no model
+        is built before it has passed."""
         problems = resolve_world_sizes(config)  # a config built in code has not been through load_config
         if problems:
             raise ConfigError("\n".join(problems))
         self.config = config
         self.device_table: DeviceTable | None = None
-        write_resolved_config(config, config.output_dir)
-        self.model_path = prepare_model(config.model, config.output_dir)
-        # Data first: a malformed row should fail before the SFT warm start spends minutes.
-        self.tokenizer = load_tokenizer(self.model_path)
-        sft_target = (config.data.response_key,) if config.sft_warm_start is not None else ()
-        self.train_prompts, self.eval_prompts = load_datasets(
-            config.data,
-            self.tokenizer,
-            train_fields=required_fields(config.reward) + sft_target,
-            eval_fields=required_fields(config.eval_reward or config.reward),
-        )
-        if config.sft_warm_start is not None:
-            self.model_path = self._warm_start()
-        self.prompt_order = PromptIterator(
-            self.train_prompts.rows, config.rollout.rollout_batch_size, seed=config.seed
-        )
+        self.actor = self.critic = self.rollout = self.reward = self.reference = None
+        inputs = inputs or preflight(config)
+        self.tokenizer, self.train_prompts, self.eval_prompts = inputs.tokenizer, inputs.train, inputs.eval
         rollout = config.rollout
         self.sampling = SamplingParams(
             max_new_tokens=rollout.max_new_tokens,
@@ -88,9 +79,24 @@ class RLVRPipeline:
             top_k=rollout.top_k,
         )
         self.eval_sampling = self.sampling.as_greedy(config.eval.max_new_tokens)
-        self._start_clusters()
+        try:
+            # Ray and the devices of a joined cluster come before anything is written: an impossible
+            # mapping fails here, not after the SFT warm start.
+            init_ray(config.ray)
+            placements = self._place_roles()
+            write_resolved_config(config, config.output_dir)
+            self.model_path = prepare_model(config.model, config.output_dir)
+            if config.sft_warm_start is not None:
+                self.model_path = self._warm_start(inputs)
+            self.prompt_order = PromptIterator(
+                self.train_prompts.rows, rollout.rollout_batch_size, seed=config.seed
+            )
+            self._start_clusters(placements)
+        except BaseException:
+            self.shutdown()  # whatever started before the failure (or a stop signal) is released
+            raise
 
-    def _warm_start(self) -> str:
+    def _warm_start(self, inputs: RunInputs) -> str:
         """SFT on the training rows' reference answers, as its own pipeline; its model starts RL."""
         from roll.pipelines.sft import SFTPipeline
 
@@ -108,11 +114,11 @@ class RLVRPipeline:
             tracking=cfg.tracking,
             ray=cfg.ray,
         )
-        return SFTPipeline(sft_config).run()
+        return SFTPipeline(sft_config, inputs, name="SFT warm-start").run()
 
-    def _start_clusters(self) -> None:
+    def _start_clusters(self, placements: Callable[[str], list[RankPlacement] | None]) -> None:
         cfg = self.config
-        init_ray(cfg.ray)
+        set_activity("starting the workers")
         model = ModelSpec(path=self.model_path, dtype=cfg.model.dtype, seed=cfg.seed)
         samples = cfg.rollout.rollout_batch_size * cfg.rollout.num_return_sequences
         algo = cfg.algorithm
@@ -129,8 +135,9 @@ class RLVRPipeline:
         )
         self.kl_coef = algo.kl_coef  # moves each step when algorithm.kl_target is set
         timeout = cfg.ray.call_timeout_s
-        placements = self._place_roles()
-        cluster = functools.partial(Cluster, timeout_s=timeout, plugins=cfg.imports)
+        cluster = functools.partial(
+            Cluster, timeout_s=timeout, plugins=cfg.imports, liveness=Liveness.from_config(cfg.ray)
+        )
         self.actor = cluster(
             "actor", ActorWorker, cfg.actor.world_size, actor_spec, placements=placements("actor")
         )
@@ -212,13 +219,16 @@ class RLVRPipeline:
         with open_tracker(cfg, cfg.steps) as tracker:
             results: dict[str, float] = {}
             if self.eval_prompts is not None:
+                set_activity("the evaluation before RL")
                 before = self.evaluate()
                 tracker.log(0, before)
                 results["eval/score_before"] = before["eval/score"]
             metrics: dict[str, float] = {}
             for step in range(1, cfg.steps + 1):
+                set_activity(f"RL step {step} of {cfg.steps}")
                 metrics = self.step(step)
                 if self.eval_prompts is not None and is_eval_step(cfg.eval, step, cfg.steps):
+                    set_activity(f"the evaluation after RL step {step} of {cfg.steps}")
                     metrics.update(self.evaluate())
                     self._warn_on_collapse(tracker, metrics["eval/score"], results)
                 tracker.log(step, metrics)
@@ -229,6 +239,7 @@ class RLVRPipeline:
                     f"eval/score before RL {results['eval/score_before']:.3f} -> after RL "
                     f"{results['eval/score_after']:.3f}"
                 )
+            set_activity("saving the final model")
             final = self.actor.save_pretrained(str(Path(cfg.output_dir) / "model"))
             tracker.print(f"final model saved to {final}")
             if self.critic is not None:
@@ -338,7 +349,7 @@ class RLVRPipeline:
             batch_size=self.config.eval.batch_size,
             pad_id=self.tokenizer.pad_token_id,
             max_prompts=self.config.eval.max_prompts,
-            divisor=self.config.rollout.world_size * self.config.reward_world_size,
+            divisor=math.lcm(self.config.rollout.world_size, self.config.reward_world_size),
         )
 
     def _warn_on_collapse(self, tracker: Tracker, score: float, results: dict[str, float]) -> None:
@@ -356,8 +367,10 @@ class RLVRPipeline:
         for cluster in (self.actor, self.critic, self.rollout, self.reward, self.reference):
             if cluster is not None:
                 cluster.kill()
+        self.actor = self.critic = self.rollout = self.reward = self.reference = None
         if self.device_table is not None:
             self.device_table.remove()  # frees the devices for the next job on a shared cluster
+            self.device_table = None
 
 
 @dataclasses.dataclass

@@ -11,12 +11,11 @@ from roll.config.sft import SFTConfig
 from roll.data.batch import Batch
 from roll.data.dataset import PromptIterator
 from roll.distributed.cluster import Cluster
+from roll.distributed.liveness import Liveness
 from roll.distributed.ray_utils import init_ray
-from roll.models.loading import load_tokenizer
 from roll.pipelines.common import (
     evaluate,
     is_eval_step,
-    load_datasets,
     open_tracker,
     prepare_model,
     prompt_batch,
@@ -24,27 +23,28 @@ from roll.pipelines.common import (
     setup_trainer,
     write_resolved_config,
 )
-from roll.rewards import required_fields, score_response
+from roll.pipelines.preflight import RunInputs, preflight
+from roll.rewards import score_response
 from roll.strategies.sampling import SamplingParams
+from roll.utils.signals import set_activity
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
 from roll.workers.base import ModelSpec
 
 
 class SFTPipeline:
-    def __init__(self, config: SFTConfig):
+    def __init__(self, config: SFTConfig, inputs: RunInputs | None = None, name: str = "SFT"):
+        """``inputs``: what ``preflight(config)`` returned, when the caller ran it already; otherwise
+        preflight runs here, before anything is written. ``name`` is how the line printed when the run
+        is stopped calls this training ("SFT warm-start step 12 of 250")."""
         self.config = config
-        write_resolved_config(config, config.output_dir)
-        self.model_path = prepare_model(config.model, config.output_dir)
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.train_rows, self.eval_prompts = load_datasets(
-            config.data,
-            self.tokenizer,
-            train_fields=(config.data.response_key,),
-            eval_fields=required_fields(config.reward),
-        )
+        self.name = name
+        inputs = inputs or preflight(config)
+        self.tokenizer, self.train_rows, self.eval_prompts = inputs.tokenizer, inputs.train, inputs.eval
         self.order = PromptIterator(self.train_rows.rows, config.train.batch_size, seed=config.seed)
         self.eval_sampling = SamplingParams(max_new_tokens=config.eval.max_new_tokens, greedy=True)
         init_ray(config.ray)
+        write_resolved_config(config, config.output_dir)
+        self.model_path = prepare_model(config.model, config.output_dir)
         train = config.train
         spec = ActorSpec(
             model=ModelSpec(path=self.model_path, dtype=config.model.dtype, seed=config.seed),
@@ -52,10 +52,21 @@ class SFTPipeline:
             micro_batch_size=train.micro_batch_size,
             collective_timeout_s=config.ray.call_timeout_s,
         )
+        set_activity(f"starting the {name} worker")
         self.actor = Cluster(
-            "actor", ActorWorker, train.world_size, spec, config.ray.call_timeout_s, plugins=config.imports
+            "actor",
+            ActorWorker,
+            train.world_size,
+            spec,
+            config.ray.call_timeout_s,
+            plugins=config.imports,
+            liveness=Liveness.from_config(config.ray),
         )
-        setup_trainer(self.actor)
+        try:
+            setup_trainer(self.actor)
+        except BaseException:
+            self.actor.kill()
+            raise
 
     def run(self) -> str:
         """Train, evaluate, save; returns the path of the fine-tuned model (Hugging Face format)."""
@@ -73,6 +84,7 @@ class SFTPipeline:
                 tracker.log(0, before)
             metrics: dict[str, float] = {}
             for step in range(1, cfg.train.steps + 1):
+                set_activity(f"{self.name} step {step} of {cfg.train.steps}")
                 start = time.perf_counter()
                 metrics = {
                     f"sft/{k}": v

@@ -1,0 +1,115 @@
+"""Prompt datasets: JSONL rows rendered with the chat template and tokenised once, at load.
+
+Every problem a row can have (bad JSON or UTF-8, a missing field, a prompt too long for
+``data.max_prompt_length``, characters the tokenizer cannot represent) is a ``DatasetError`` naming the
+file and line, raised before any worker starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from roll.config.common import DataConfig
+from roll.data.dataset import DatasetError, read_jsonl
+
+
+@dataclass
+class PromptSet:
+    """Dataset rows with their rendered prompt text and token ids (tokenised once, at load)."""
+
+    rows: list[dict]
+    texts: list[str]
+    token_ids: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def render_prompt(tokenizer: Any, prompt: str, apply_chat_template: bool) -> str:
+    if not apply_chat_template:
+        return prompt
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
+
+
+def unknown_pieces(tokenizer: Any, texts: list[str]) -> list[list[str]]:
+    """For each text, the pieces that ``tokenizer`` can only encode as its unknown token (none for
+    tokenizers without one, such as byte-level BPE, which represent any text). One batched call."""
+    unk = tokenizer.unk_token_id
+    if unk is None or not texts:
+        return [[] for _ in texts]
+    encoded = tokenizer(
+        texts, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast, verbose=False
+    )
+    offsets = encoded.get("offset_mapping") or [None] * len(texts)
+    pieces = []
+    for text, ids, spans in zip(texts, encoded["input_ids"], offsets, strict=True):
+        if unk not in ids:
+            pieces.append([])
+        elif spans is None:  # a slow tokenizer has no offsets: name the token instead
+            pieces.append([tokenizer.unk_token])
+        else:
+            found = (text[start:end] for token, (start, end) in zip(ids, spans, strict=True) if token == unk)
+            pieces.append(list(dict.fromkeys(found)))
+    return pieces
+
+
+def check_representable(tokenizer: Any, texts: list[str], wheres: list[str], field: str) -> None:
+    """Raise a DatasetError at the first ``where`` (file:line) whose ``field`` text the tokenizer would
+    turn into unknown tokens: the model could neither read nor write it, and training on it silently
+    teaches something else."""
+    for where, unknown in zip(wheres, unknown_pieces(tokenizer, texts), strict=True):
+        if unknown:
+            pieces = ", ".join(map(repr, unknown))
+            raise DatasetError(
+                f"{where}: field '{field}' has characters the tokenizer does not know ({pieces}), which "
+                f"would become {tokenizer.unk_token}; remove them from the data, or with a tiny model add "
+                "them to model.tiny.alphabet"
+            )
+
+
+def load_prompts(
+    path: str,
+    tokenizer: Any,
+    data: DataConfig,
+    required_keys: Sequence[str] = (),
+    target_key: str | None = None,
+) -> PromptSet:
+    """Read a JSONL file and tokenise every prompt. ``target_key`` names a field the model is trained to
+    write (the SFT target), checked like the prompt for characters the tokenizer cannot represent."""
+    lines = read_jsonl(path, required_keys=(data.prompt_key, *required_keys))
+    wheres = [f"{path}:{lineno}" for lineno, _ in lines]
+    rows = [row for _, row in lines]
+    prompts = [str(row[data.prompt_key]) for row in rows]
+    check_representable(tokenizer, prompts, wheres, data.prompt_key)
+    if target_key is not None:
+        check_representable(tokenizer, [str(row[target_key]) for row in rows], wheres, target_key)
+    texts = [render_prompt(tokenizer, prompt, data.apply_chat_template) for prompt in prompts]
+    # verbose=False: a prompt beyond the model's length gets the error below, not transformers' warning.
+    token_ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    for where, ids in zip(wheres, token_ids, strict=True):
+        if len(ids) > data.max_prompt_length:
+            raise DatasetError(
+                f"{where}: the prompt is {len(ids)} tokens, longer than "
+                f"data.max_prompt_length={data.max_prompt_length}; raise it or shorten the prompt"
+            )
+    return PromptSet(rows, texts, token_ids)
+
+
+def load_datasets(
+    data: DataConfig,
+    tokenizer: Any,
+    train_fields: Sequence[str] = (),
+    eval_fields: Sequence[str] = (),
+    sft_targets: bool = False,
+) -> tuple[PromptSet, PromptSet | None]:
+    """The training prompts and, when ``data.eval_path`` is set, the held-out ones; every row must have
+    the listed fields (what the rewards and the SFT target read), checked now rather than mid-run. With
+    ``sft_targets`` the training rows' ``data.response_key`` is trained on and checked like a prompt."""
+    target = data.response_key if sft_targets else None
+    train = load_prompts(data.train_path, tokenizer, data, train_fields, target_key=target)
+    held_out = load_prompts(data.eval_path, tokenizer, data, eval_fields) if data.eval_path else None
+    return train, held_out

@@ -1,0 +1,200 @@
+"""Preflight: everything about a run that can go wrong, checked before anything is written or started.
+
+``load_config`` checks the config on its own. This module checks it against the machine and the data:
+the output directory can be created, the Ray cluster to join answers, the device mapping fits the local
+GPUs, and every dataset row loads, tokenises and fits. It imports no Ray and builds no model, so a bad
+input costs a second, not an SFT warm start; the tokenizer and the tokenised datasets it loads are
+handed to the pipeline, which does not load them again.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from roll.config.common import ModelConfig, RayConfig
+from roll.config.loader import ConfigError
+from roll.data.dataset import DatasetError
+from roll.data.prompts import PromptSet, load_datasets
+from roll.utils.registry import Registry
+
+# How long the Ray cluster named by ray.address has to accept a connection.
+RAY_CONNECT_TIMEOUT_S = 5.0
+
+
+@dataclass
+class RunInputs:
+    """What preflight loaded and checked: the policy's tokenizer and the tokenised datasets."""
+
+    tokenizer: Any
+    train: PromptSet
+    eval: PromptSet | None
+
+
+@dataclass(frozen=True)
+class DataNeeds:
+    """What a pipeline reads from its datasets."""
+
+    train_fields: tuple[str, ...]  # row fields the training rows must have
+    eval_fields: tuple[str, ...]  # row fields the held-out rows must have
+    sft_targets: bool  # the training rows' data.response_key is trained on
+    batches: dict[str, int]  # config key -> training rows one batch of it takes
+
+
+DATA_NEEDS: Registry[Callable[[Any], DataNeeds]] = Registry("pipeline")
+
+
+@DATA_NEEDS.register("rlvr")
+def rlvr_data_needs(cfg: Any) -> DataNeeds:
+    from roll.rewards import required_fields
+
+    warm_start = cfg.sft_warm_start
+    batches = {"rollout.rollout_batch_size": cfg.rollout.rollout_batch_size}
+    if warm_start is not None:
+        batches["sft_warm_start.batch_size"] = warm_start.batch_size
+    return DataNeeds(
+        train_fields=required_fields(cfg.reward) + ((cfg.data.response_key,) if warm_start else ()),
+        eval_fields=required_fields(cfg.eval_reward or cfg.reward),
+        sft_targets=warm_start is not None,
+        batches=batches,
+    )
+
+
+@DATA_NEEDS.register("sft")
+def sft_data_needs(cfg: Any) -> DataNeeds:
+    from roll.rewards import required_fields
+
+    return DataNeeds(
+        train_fields=(cfg.data.response_key,),
+        eval_fields=required_fields(cfg.reward),
+        sft_targets=True,
+        batches={"train.batch_size": cfg.train.batch_size},
+    )
+
+
+def preflight(cfg: Any) -> RunInputs:
+    """Check ``cfg`` against this machine and its data; raise ConfigError or DatasetError naming the key,
+    file or line to fix. Writes nothing: a run that fails here leaves no trace."""
+    problems = check_output_dir(cfg.output_dir)
+    problems += check_tiny_model_dir(cfg.model, cfg.output_dir)
+    problems += check_ray_address(cfg.ray)
+    problems += check_local_devices(cfg)
+    if problems:
+        raise ConfigError("cannot start the run:\n" + "\n".join(f"  - {p}" for p in problems))
+    tokenizer = load_run_tokenizer(cfg.model)
+    needs = DATA_NEEDS.get(cfg.pipeline)(cfg)
+    train, held_out = load_datasets(
+        cfg.data, tokenizer, needs.train_fields, needs.eval_fields, sft_targets=needs.sft_targets
+    )
+    for key, size in needs.batches.items():
+        if size > len(train):
+            raise DatasetError(
+                f"data.train_path '{cfg.data.train_path}' has {len(train)} rows, fewer than one batch of "
+                f"{key}={size}; lower {key} to at most {len(train)} or add rows"
+            )
+    return RunInputs(tokenizer, train, held_out)
+
+
+def load_run_tokenizer(model: ModelConfig) -> Any:
+    """The policy's tokenizer: from ``model.path``, or for a tiny model built in memory, the same one
+    the model directory will hold (nothing is written yet)."""
+    if model.path is not None:
+        from roll.models.loading import load_tokenizer
+
+        return load_tokenizer(model.path)
+    from roll.models.tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer(model.tiny.alphabet, model_max_length=model.tiny.max_position_embeddings)
+
+
+def check_output_dir(output_dir: str) -> list[str]:
+    """``output_dir`` is, or can be made, a writable directory: not a file, not under a file."""
+    path = Path(output_dir).absolute()
+    if path.exists() and not path.is_dir():
+        return [f"output_dir: '{output_dir}' is a file, not a directory; choose another output_dir"]
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return [
+            f"output_dir: '{output_dir}' cannot be created because '{existing}' is a file; "
+            "choose another output_dir"
+        ]
+    try:
+        # Creating (and removing) a directory is the one test that also holds for root, read-only
+        # mounts and ACLs, where permission bits alone would mislead.
+        os.rmdir(tempfile.mkdtemp(prefix=".roll-write-check-", dir=existing))
+    except OSError as e:
+        return [
+            f"output_dir: '{output_dir}' cannot be written: '{existing}' refuses new entries "
+            f"({e.strerror}); choose a directory you can write to"
+        ]
+    return []
+
+
+def check_tiny_model_dir(model: ModelConfig, output_dir: str) -> list[str]:
+    """The directory a tiny model is built into holds nothing the build would refuse to replace."""
+    if model.path is not None:
+        return []
+    from roll.models.tiny import TINY_MODEL_DIR, check_replaceable
+
+    try:
+        check_replaceable(Path(output_dir) / TINY_MODEL_DIR)
+    except FileExistsError as e:
+        return [f"output_dir: {e}"]
+    return []
+
+
+def check_ray_address(ray_cfg: RayConfig) -> list[str]:
+    """The Ray cluster to join accepts connections: ``ray.init`` against a dead address retries for
+    minutes with nothing but Ray's own log lines to show for it."""
+    key, address = ("ray.address", ray_cfg.address) if ray_cfg.address else ("RAY_ADDRESS", None)
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address or address in ("auto", "local"):  # Ray resolves these itself, and fails fast
+        return []
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return [
+            f"{key}: '{address}' is not an address; expected host:port (the GCS address that "
+            "`ray start --head` prints, e.g. 10.0.0.1:6379), ray://host:port or auto"
+        ]
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        return [
+            f"{key}: nothing answers at {host}:{port} ({reason}); start the cluster there (`ray start "
+            f"--head`), fix the address, or unset {key} to start a local Ray"
+        ]
+    return []
+
+
+def check_local_devices(cfg: Any) -> list[str]:
+    """Device mappings fit the GPUs of this machine when a local Ray will start without ``ray.num_gpus``
+    (a joined cluster's devices are checked as soon as it is joined, before any model loads)."""
+    from roll.config.devices import role_plan
+    from roll.distributed.device_mapping import validate_plan
+
+    joining = bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+    roles = role_plan(cfg)
+    if joining or cfg.ray.num_gpus is not None or all(r.device_mapping is None for r in roles):
+        return []
+    count = local_gpu_count()
+    return validate_plan(roles, count) if count is not None else []
+
+
+def local_gpu_count() -> int | None:
+    """The GPUs a local Ray would find here, without starting it: ``CUDA_VISIBLE_DEVICES`` when set,
+    else the NVIDIA driver's list. None when it cannot tell (an AMD ROCm machine)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    nvidia = Path("/proc/driver/nvidia/gpus")
+    if nvidia.is_dir():
+        return len(list(nvidia.iterdir()))
+    return None if Path("/dev/kfd").exists() else 0

@@ -1,0 +1,120 @@
+"""Preflight pieces on their own: machine facts (GPUs, the Ray address), the tokenizer it loads before
+any model exists, and the per-pipeline data needs."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from roll.config import RayConfig, load_config
+from roll.data.prompts import PromptSet, unknown_pieces
+from roll.models.loading import load_tokenizer
+from roll.models.tiny import save_tiny_model
+from roll.pipelines.common import evaluate
+from roll.pipelines.preflight import (
+    DATA_NEEDS,
+    check_output_dir,
+    check_ray_address,
+    load_run_tokenizer,
+    local_gpu_count,
+    preflight,
+)
+
+
+@pytest.fixture(autouse=True)
+def _at_repo_root(at_repo_root: None) -> None:
+    """Config data paths are relative to the repository root."""
+
+
+@pytest.mark.parametrize(
+    ("visible", "count"), [("", 0), ("0", 1), ("0,1,3", 3), ("-1", 0), ("GPU-ab12,GPU-cd34", 2)]
+)
+def test_local_gpu_count_follows_cuda_visible_devices(monkeypatch, visible: str, count: int) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert local_gpu_count() == count
+
+
+def test_local_gpu_count_of_this_machine_without_nvidia(monkeypatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if Path("/proc/driver/nvidia/gpus").is_dir():
+        assert local_gpu_count() == len(list(Path("/proc/driver/nvidia/gpus").iterdir()))
+    else:
+        assert local_gpu_count() in (0, None)  # None only on an AMD ROCm machine
+
+
+def test_a_listening_ray_address_passes_and_auto_is_left_to_ray(monkeypatch) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert check_ray_address(RayConfig(address=f"127.0.0.1:{port}")) == []
+        assert check_ray_address(RayConfig(address=f"ray://127.0.0.1:{port}")) == []
+    assert check_ray_address(RayConfig(address="auto")) == []
+    assert check_ray_address(RayConfig()) == []
+
+
+def test_output_dir_check_writes_nothing(tmp_path: Path) -> None:
+    assert check_output_dir(str(tmp_path / "a" / "b")) == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_in_memory_tiny_tokenizer_equals_the_saved_one(tmp_path: Path) -> None:
+    # Preflight tokenises the data before the tiny model (and its tokenizer files) exist.
+    cfg = load_config("examples/quickstart.yaml")
+    in_memory = load_run_tokenizer(cfg.model)
+    saved = load_tokenizer(save_tiny_model(cfg.model.tiny, tmp_path / "tiny"))
+    text = in_memory.apply_chat_template(
+        [{"role": "user", "content": "12+34"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text == saved.apply_chat_template(
+        [{"role": "user", "content": "12+34"}], add_generation_prompt=True, tokenize=False
+    )
+    assert in_memory(text + "46")["input_ids"] == saved(text + "46")["input_ids"]
+    special = ("pad_token_id", "eos_token_id", "unk_token_id", "padding_side")
+    assert [getattr(in_memory, a) for a in special] == [getattr(saved, a) for a in special]
+
+
+def test_unknown_pieces_names_each_unknown_character_once() -> None:
+    tokenizer = load_run_tokenizer(load_config("examples/quickstart.yaml").model)
+    assert unknown_pieces(tokenizer, ["1+2", "1 + 2 = ?", "x"]) == [[], [" ", "=", "?"], ["x"]]
+
+
+def test_data_needs_follow_the_config() -> None:
+    rlvr = load_config("examples/quickstart.yaml")
+    needs = DATA_NEEDS.get("rlvr")(rlvr)
+    assert needs.sft_targets and "answer" in needs.train_fields
+    assert needs.batches == {"rollout.rollout_batch_size": 8, "sft_warm_start.batch_size": 64}
+    no_warm_start = DATA_NEEDS.get("rlvr")(load_config("examples/quickstart.yaml", ["sft_warm_start=null"]))
+    assert not no_warm_start.sft_targets and list(no_warm_start.batches) == ["rollout.rollout_batch_size"]
+
+
+def test_preflight_returns_the_tokenised_datasets(tmp_path: Path) -> None:
+    cfg = load_config("examples/quickstart.yaml", [f"output_dir={tmp_path / 'run'}"])
+    inputs = preflight(cfg)
+    assert len(inputs.train) == 4000 and len(inputs.eval) == 200
+    assert (
+        inputs.train.token_ids[0]
+        == inputs.tokenizer(inputs.train.texts[0], add_special_tokens=False)["input_ids"]
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_evaluation_scores_padding_rows_on_every_worker_then_drops_them() -> None:
+    # 5 prompts over 3 reward workers: the batch is padded to 6 for generation AND scoring.
+    prompts = PromptSet([{"i": i} for i in range(5)], ["p"] * 5, [[7, 8]] * 5)
+    seen = []
+
+    def generate(batch, params):
+        return type(batch)(tensors={"response_mask": torch.ones(len(batch), 2)})
+
+    def score(batch):
+        seen.append(len(batch))
+        return torch.tensor([float(row["i"]) for row in batch["sample"]])
+
+    result = evaluate(prompts, generate, score, params=None, batch_size=8, pad_id=0, divisor=3)
+    assert seen == [6]
+    assert result["eval/score"] == pytest.approx(sum(range(5)) / 5)  # the padding row (i=0) is not counted
