@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -80,6 +81,15 @@ class RayConfig:
         ge=0,
         help="While a remote call runs longer than this, print which ranks it waits on (0: never).",
     )
+
+
+def cluster_to_join(ray: RayConfig) -> tuple[str, str] | None:
+    """``(setting, address)`` of the Ray cluster a run joins: ``ray.address``, else the ``RAY_ADDRESS``
+    environment variable; None when a local Ray starts."""
+    if ray.address:
+        return "ray.address", ray.address
+    address = os.environ.get("RAY_ADDRESS")
+    return ("RAY_ADDRESS", address) if address else None
 
 
 @dataclass

@@ -6,9 +6,9 @@ workers there. Roles: ``actor`` (the reference model shares its devices), ``crit
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from roll.config.common import cluster_to_join
 from roll.distributed.device_mapping import RoleDevices, parse_device_mapping, role_devices, validate_plan
 
 # Config sections that may carry a device mapping.
@@ -56,5 +56,5 @@ def check_devices(config: Any) -> list[str]:
     except ValueError as e:
         return [str(e)]
     # The same rule as init_ray: joining a running cluster, its device count is only known once joined.
-    joining = bool(config.ray.address or os.environ.get("RAY_ADDRESS"))
+    joining = cluster_to_join(config.ray) is not None
     return validate_plan(roles, None if joining else config.ray.num_gpus)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
-import os
 
-from roll.config.common import RayConfig
+from roll.config.common import RayConfig, cluster_to_join
 from roll.config.loader import ConfigError
 from roll.utils import signals
 
@@ -19,11 +18,11 @@ def init_ray(cfg: RayConfig) -> None:
 
     if ray.is_initialized():
         return
-    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    joined = cluster_to_join(cfg)
     # Workers find `roll` through the installed package; keep Ray's own logs quiet so metrics stay readable.
     common = {"logging_level": logging.WARNING, "log_to_driver": True}
-    if address:
-        key = "ray.address" if cfg.address else "RAY_ADDRESS"
+    if joined:
+        key, address = joined
         try:
             ray.init(address=address, **common)
         except ConnectionError as e:

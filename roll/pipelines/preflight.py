@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from roll.config.common import ModelConfig, RayConfig
+from roll.config.common import ModelConfig, RayConfig, cluster_to_join
 from roll.config.loader import ConfigError
 from roll.data.dataset import DatasetError
 from roll.data.prompts import PromptSet, load_datasets
@@ -153,10 +153,10 @@ def check_tiny_model_dir(model: ModelConfig, output_dir: str) -> list[str]:
 def check_ray_address(ray_cfg: RayConfig) -> list[str]:
     """The Ray cluster to join accepts connections: ``ray.init`` against a dead address retries for
     minutes with nothing but Ray's own log lines to show for it."""
-    key, address = ("ray.address", ray_cfg.address) if ray_cfg.address else ("RAY_ADDRESS", None)
-    address = address or os.environ.get("RAY_ADDRESS")
-    if not address or address in ("auto", "local"):  # Ray resolves these itself, and fails fast
+    joined = cluster_to_join(ray_cfg)
+    if joined is None or joined[1] in ("auto", "local"):  # Ray resolves these itself, and fails fast
         return []
+    key, address = joined
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not host or not port.isdigit():
         return [
@@ -180,9 +180,12 @@ def check_local_devices(cfg: Any) -> list[str]:
     from roll.config.devices import role_plan
     from roll.distributed.device_mapping import validate_plan
 
-    joining = bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
     roles = role_plan(cfg)
-    if joining or cfg.ray.num_gpus is not None or all(r.device_mapping is None for r in roles):
+    if (
+        cluster_to_join(cfg.ray) is not None
+        or cfg.ray.num_gpus is not None
+        or all(r.device_mapping is None for r in roles)
+    ):
         return []
     count = local_gpu_count()
     return validate_plan(roles, count) if count is not None else []
