@@ -7,25 +7,26 @@ What is measured, per model size:
 * an actor Cluster of ``--trainer-ranks`` ``ActorWorker`` ranks (FSDP2 over gloo/NCCL when more than one,
   set up with ``setup_trainer``) and a rollout Cluster of ``--rollout-workers`` ``RolloutWorker`` ranks
   load it, and a ``WeightSync`` connects them (``--bucket-mb`` buckets);
-* one warm-up sync, then ``--repeats`` timed syncs with increasing versions. "sync s" is the median of
-  the timed syncs as the controller sees them (``WeightSync.sync``: Ray dispatch, header and verdict
-  collectives, packing on the trainer, one broadcast per bucket, loading into every rollout model, and
-  the final acknowledgement);
+* two ``WeightSync`` s on the same clusters: one left to pick its path (shared memory on one node,
+  ``roll.distributed.shm_transfer``) and one forced onto the collective path (``transport="collective"``:
+  gloo here). One warm-up sync each, then ``--repeats`` timed rounds, each syncing through shared
+  memory and then through gloo (interleaved, so both see the same machine load), versions increasing
+  across both. "s" is the median of the timed syncs as the controller sees them (``WeightSync.sync``:
+  Ray calls, packing on the trainer, the transfer, loading into every rollout model, acknowledgement);
 * in the same process, a plain memory copy of the same number of bytes: ``dst.copy_(src)`` between two
   preallocated float32 tensors (on the rollout workers' device), best of several.
 
-How to read the table: "GB/s" is model bytes / sync time, and "memcpy GB/s" is what one copy of the same
-bytes achieves on this machine right now. "ratio" = sync time / memcpy time, i.e. how many plain copies of
-the weights one sync costs. It compares across noisy or differently sized machines better than absolute
-numbers do. A sync touches the bytes many times on a single host: packing on the sender, then per
-receiver a loopback socket transfer (at least two kernel copies, the sender serving the receivers in turn)
-and the copy into the model. So with gloo on one host a ratio of roughly 5-10x the worker count is the
-floor; far above that points to overhead (per-bucket latency, serialisation, CPU contention between the
-ranks sharing the cores). Small models measure fixed latency
-(Ray calls and the header, verdict and acknowledgement collectives), not bandwidth: their ratio is huge
-and noisy, and only the larger sizes say anything about throughput. The warm-up sync is slower than the
-rest because freshly loaded weights are memory-mapped from the checkpoint: the first sync faults them in
-on the sender and copies them on write on the receivers; it is printed but not in the median.
+How to read the table: "GB/s" is model bytes / sync time, and "memcpy GB/s" what one copy of the same bytes
+achieves on this machine right now. "ratio" = sync time / memcpy time, i.e. how many plain copies of the
+weights one sync costs; it compares across noisy or differently sized machines better than absolute
+numbers do. The shared-memory path copies the bytes once into the segment and once out per receiver,
+so with N receivers its floor is about 1 + N copies' worth of memory traffic (the receivers copy in
+parallel, but a 2-core machine's memory bandwidth is nearly used up by one copy). gloo adds loopback
+socket transfers (several kernel copies, the sender serving the receivers in turn). Small models
+measure fixed latency (Ray calls, and for gloo the header, verdict and acknowledgement collectives), not
+bandwidth. The warm-up syncs are slower: freshly loaded weights are memory-mapped from the checkpoint and
+fault in on first use, and the segment's pages are first touched then; they are printed, not in the
+median.
 
 Run from the repository root::
 
@@ -99,17 +100,16 @@ class SizeResult:
     params: int
     nbytes: int
     buckets: int
-    backend: str
+    paths: dict[str, list[float]]  # path name ("shm", "gloo") -> timed sync seconds
+    split: dict[str, float]  # shared memory: median write_s and read_s
     build_s: float
     setup_s: float
-    sync_s: list[float]
     memcpy_s: float
     peak_used_gib: float
     total_s: float
 
-    @property
-    def sync_median_s(self) -> float:
-        return statistics.median(self.sync_s)
+    def median_s(self, path: str) -> float:
+        return statistics.median(self.paths[path])
 
 
 class MemoryWatch:
@@ -217,37 +217,53 @@ def bench_size(name: str, cfg: TinyModelConfig, args: argparse.Namespace) -> Siz
         print(f"[{name}] built in {build_s:.1f} s; starting the clusters ...", flush=True)
         setup_start = time.perf_counter()
         actor, rollout = start_clusters(path, args.trainer_ranks, args.rollout_workers, args.timeout_s)
+        syncs: dict[str, WeightSync] = {}
         try:
             setup_s = time.perf_counter() - setup_start
-            sync = WeightSync(actor, rollout, bucket_bytes=args.bucket_mb << 20, timeout_s=args.timeout_s)
-            sync.connect()
+            syncs = {
+                "auto": WeightSync(actor, rollout, args.bucket_mb << 20, args.timeout_s),
+                "gloo": WeightSync(
+                    actor, rollout, args.bucket_mb << 20, args.timeout_s, transport="collective"
+                ),
+            }
+            for sync in syncs.values():
+                sync.connect()
             device = torch.device(rollout.device_type()[0])
-            print(f"[{name}] clusters up in {setup_s:.1f} s; warm-up sync ...", flush=True)
-            warm = sync.sync(version=1)
-            timed = [sync.sync(version=2 + i) for i in range(args.repeats)]
-            print(
-                f"[{name}] warm-up {warm['seconds']:.2f} s, timed "
-                + ", ".join(f"{t['seconds']:.2f}" for t in timed)
-                + " s",
-                flush=True,
-            )
+            print(f"[{name}] clusters up in {setup_s:.1f} s; warm-up syncs ...", flush=True)
+            versions = iter(range(1, 1_000_000))
+            warm = {key: sync.sync(version=next(versions)) for key, sync in syncs.items()}
+            timed: dict[str, list[dict]] = {key: [] for key in syncs}
+            for _ in range(args.repeats):
+                for key, sync in syncs.items():
+                    timed[key].append(sync.sync(version=next(versions)))
+            for key, sync in syncs.items():
+                print(
+                    f"[{name}] {sync.path_name} ({sync.reason}): warm-up {warm[key]['seconds']:.2f} s, "
+                    "timed " + ", ".join(f"{t['seconds']:.3f}" for t in timed[key]) + " s",
+                    flush=True,
+                )
         finally:
+            for sync in syncs.values():
+                sync.close()
             kill_clusters(rollout, actor)
         gc.collect()
         # After the workers are gone, so the baseline neither competes with them for cores nor memory.
         if device.type == "cuda" and not torch.cuda.is_available():
             device = torch.device("cpu")  # the driver has no GPU of its own: compare with host memory
-        memcpy_s = memcpy_seconds(int(warm["bytes"]), device)
+        nbytes = int(warm["gloo"]["bytes"])
+        memcpy_s = memcpy_seconds(nbytes, device)
         gc.collect()
+    auto = timed["auto"]
+    split = {k: statistics.median(t[k] for t in auto) for k in ("write_s", "read_s") if k in auto[0]}
     return SizeResult(
         name=name,
         params=params,
-        nbytes=int(warm["bytes"]),
-        buckets=int(warm["buckets"]),
-        backend=sync.backend,
+        nbytes=nbytes,
+        buckets=int(warm["gloo"]["buckets"]),
+        paths={syncs[key].path_name: [t["seconds"] for t in runs] for key, runs in timed.items()},
+        split=split,
         build_s=build_s,
         setup_s=setup_s,
-        sync_s=[t["seconds"] for t in timed],
         memcpy_s=memcpy_s,
         peak_used_gib=memory.peak_bytes / GIB,
         total_s=time.perf_counter() - started,
@@ -259,12 +275,13 @@ COLUMNS = (
     ("params", 8),
     ("MB", 8),
     ("buckets", 7),
-    ("sync s", 8),
-    ("GB/s", 7),
     ("memcpy GB/s", 11),
-    ("ratio", 7),
-    ("build s", 7),
-    ("setup s", 7),
+    ("path", 5),
+    ("sync s", 8),
+    ("GB/s", 6),
+    ("ratio", 6),
+    ("write s", 7),
+    ("read s", 7),
     ("peak GiB", 8),
     ("total s", 7),
 )
@@ -274,27 +291,36 @@ def format_row(values: list[str]) -> str:
     return "  ".join(value.rjust(width) for value, (_, width) in zip(values, COLUMNS))
 
 
-def result_row(r: SizeResult) -> str:
-    return format_row(
-        [
-            r.name,
-            f"{r.params / 1e6:.1f}M",
-            f"{r.nbytes / 1e6:.1f}",
-            str(r.buckets),
-            f"{r.sync_median_s:.3f}",
-            f"{r.nbytes / r.sync_median_s / 1e9:.2f}",
-            f"{r.nbytes / r.memcpy_s / 1e9:.2f}",
-            f"{r.sync_median_s / r.memcpy_s:.1f}",
-            f"{r.build_s:.1f}",
-            f"{r.setup_s:.1f}",
-            f"{r.peak_used_gib:.1f}",
-            f"{r.total_s:.1f}",
-        ]
-    )
+def result_rows(r: SizeResult) -> list[str]:
+    """One row per path, the shared columns (size, bytes, memcpy) repeated so each row reads alone."""
+    rows = []
+    for path in r.paths:
+        seconds = r.median_s(path)
+        split = r.split if path == "shm" else {}
+        rows.append(
+            format_row(
+                [
+                    r.name,
+                    f"{r.params / 1e6:.1f}M",
+                    f"{r.nbytes / 1e6:.1f}",
+                    str(r.buckets),
+                    f"{r.nbytes / r.memcpy_s / 1e9:.2f}",
+                    path,
+                    f"{seconds:.3f}",
+                    f"{r.nbytes / seconds / 1e9:.2f}",
+                    f"{seconds / r.memcpy_s:.1f}",
+                    f"{split['write_s']:.3f}" if split else "-",
+                    f"{split['read_s']:.3f}" if split else "-",
+                    f"{r.peak_used_gib:.1f}",
+                    f"{r.total_s:.1f}",
+                ]
+            )
+        )
+    return rows
 
 
 def machine_line(num_cpus: int | None) -> str:
-    """CPU count, torch/Ray versions and the transfer backend WeightSync will pick here."""
+    """CPU count, torch/Ray versions and the collective backend WeightSync would pick here."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     ray_cpus = ray.cluster_resources().get("CPU", 0)
     joined = os.environ.get("RAY_ADDRESS")
@@ -353,10 +379,11 @@ def main(argv: list[str] | None = None) -> int:
             print()
             print(format_row([title for title, _ in COLUMNS]))
             for result in results:
-                print(result_row(result))
+                print("\n".join(result_rows(result)))
             print(
-                "ratio = sync time / memcpy time of the same bytes; peak GiB = node memory in use "
-                "(all processes) at its highest during that size"
+                "ratio = sync time / memcpy time of the same bytes; write s / read s = the shared-memory "
+                "sync's trainer write and receivers' load (medians); peak GiB = node memory in use (all "
+                "processes) at its highest during that size"
             )
         print(f"total wall time {time.perf_counter() - started:.1f} s", flush=True)
         ray.shutdown()

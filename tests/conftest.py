@@ -36,7 +36,15 @@ def ray_session() -> Iterator[None]:
         saved = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, saved) if p)
         try:
-            ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, logging_level=logging.WARNING)
+            from roll.distributed.ray_utils import worker_runtime_env
+
+            ray.init(
+                num_cpus=2,
+                num_gpus=4,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                runtime_env=worker_runtime_env(),
+            )
         finally:
             if saved is None:
                 del os.environ["PYTHONPATH"]

@@ -613,3 +613,26 @@ def test_out_of_bounds_values_name_the_key_and_the_range(override: str, message:
 def test_an_unset_optional_value_is_not_checked_against_its_bounds() -> None:
     cfg = load_config(QUICKSTART, ["actor.mini_batch_size=null", "eval.max_prompts=null"])
     assert out_of_bounds(cfg) == []
+
+
+# --------------------------------------------------------------------------- the hybrid engine
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("rollout.device_mapping=[0]", "rollout.device_mapping"),
+        ("rollout.world_size=2", "rollout.world_size"),
+        ("rollout.max_running_requests=4", "rollout.max_running_requests"),
+    ],
+)
+def test_hybrid_engine_rejects_options_of_rollout_workers(override: str, key: str) -> None:
+    message = load_error(["rollout.hybrid_engine=true", override, "ray.num_gpus=1"])
+    assert f"{key}:" in message and "rollout.hybrid_engine=false" in message
+
+
+def test_hybrid_engine_loads_with_the_actors_world_size() -> None:
+    cfg = load_config(
+        QUICKSTART, ["rollout.hybrid_engine=true", "actor.world_size=2", "rollout.world_size=2"]
+    )
+    assert cfg.rollout.hybrid_engine and cfg.actor.world_size == 2

@@ -180,9 +180,12 @@ def test_batch_generate_is_hf_generate(engine, model, tokenizer, prompts) -> Non
         model, batch, GREEDY, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer
     )
     assert ours.keys() == theirs.keys()
-    for key in ("response_ids", "response_mask", "rollout_logprobs"):
+    for key in ("response_ids", "response_mask"):
         assert torch.equal(ours[key], theirs[key])
+    # Same math, different kernels (a decode loop over SlotCache vs generate over DynamicCache).
+    assert torch.allclose(ours["rollout_logprobs"], theirs["rollout_logprobs"], atol=1e-5)
     assert ours["finish_reason"] == theirs["finish_reason"]
+    assert ours["response_text"] == theirs["response_text"]
 
 
 def test_requests_with_different_params_and_from_many_threads(engine, prompts) -> None:
@@ -234,9 +237,9 @@ def test_abort_queued_and_running_requests(pad_is_eos, model, tokenizer, prompts
         assert engine.abort("a")
         pair_go.set()
         aborted = engine.await_result("a", timeout_s=WAIT_S)
-        # Both rows are published together: "b" is finished but not yet collected, so not abortable.
-        assert not engine.abort("b")
+        # "a" left the batch at its cut; "b" decodes on alone to its natural end.
         completed = engine.await_result("b", timeout_s=WAIT_S)
+        assert not engine.abort("b")  # finished and collected
     finally:
         blocker_go.set()
         pair_go.set()

@@ -199,3 +199,28 @@ def test_a_reward_from_the_users_own_module_runs_on_the_workers(repo_root, tmp_p
     )
     rows = [row for row in metrics(out) if "reward/mean" in row]
     assert [row["reward/mean"] for row in rows] == [0.25, 0.25]
+
+
+@pytest.mark.slow
+def test_hybrid_engine_generates_on_the_actor_ranks(repo_root, tmp_path, ray_address):
+    """rollout.hybrid_engine: no rollout workers and no weight sync; two FSDP actor ranks generate."""
+    out = tmp_path / "hybrid"
+    roll_train(
+        repo_root,
+        "examples/quickstart.yaml",
+        f"output_dir={out}",
+        "sft_warm_start=null",
+        "steps=3",
+        "eval.every_steps=3",
+        "eval.max_prompts=16",
+        "tracking.backends=[jsonl]",
+        "rollout.hybrid_engine=true",
+        "actor.world_size=2",
+        env={"RAY_ADDRESS": ray_address},
+    )
+    rows = [row for row in metrics(out) if "time/step_s" in row]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["time/generate_s"] > 0 and row["response/length_mean"] > 0
+        assert "time/sync_s" not in row and "sync/gb_per_s" not in row  # nothing to send
+    assert "eval/score" in rows[-1]

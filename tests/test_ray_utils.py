@@ -47,3 +47,25 @@ def test_init_ray_joins_the_configured_cluster_or_starts_a_local_one(
     assert calls[0].get("address") == expected
     # A local Ray gets the configured CPU count; joining leaves the cluster's resources alone.
     assert ("num_cpus" in calls[0]) == (expected is None)
+
+
+@ray.remote(num_cpus=0)
+def _worker_env(name: str) -> str | None:
+    import os
+
+    return os.environ.get(name)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_workers_let_idle_openmp_threads_sleep() -> None:
+    # Spinning OpenMP threads of the last stage's worker would take the cores from the next stage's.
+    assert ray.get(_worker_env.remote("OMP_WAIT_POLICY"), timeout=30) == "PASSIVE"
+
+
+def test_a_user_set_openmp_wait_policy_wins(monkeypatch) -> None:
+    from roll.distributed.ray_utils import worker_runtime_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert worker_runtime_env()["env_vars"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert worker_runtime_env()["env_vars"]["OMP_WAIT_POLICY"] == "ACTIVE"

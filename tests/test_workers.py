@@ -120,7 +120,9 @@ def test_stuck_rollout_worker_makes_weight_transfer_time_out(tiny_model_path):
     rollout = Cluster("rollout", StuckRolloutWorker, 2, Holder(ModelSpec(path=tiny_model_path)))
     try:
         wait_all(actor.setup(blocking=False), rollout.setup(blocking=False))
-        sync = WeightSync(actor, rollout, bucket_bytes=1 << 20, timeout_s=2)
+        # The collective path: this worker is stuck in its gloo receive (test_shm_weight_sync.py covers
+        # the shared-memory one, which same-node workers take by default).
+        sync = WeightSync(actor, rollout, bucket_bytes=1 << 20, timeout_s=2, transport="collective")
         sync.connect()
         start = time.monotonic()
         with pytest.raises(WeightSyncError) as error:

@@ -39,6 +39,18 @@ class RolloutConfig:
     temperature: float = option(1.0, gt=0, help="Sampling temperature (keep near 1 for exploration).")
     top_p: float = option(1.0, gt=0, le=1, help="Nucleus sampling mass (1 disables).")
     top_k: int = option(0, ge=0, help="Sample among the k most likely tokens (0 disables).")
+    max_running_requests: int | None = option(
+        None,
+        gt=0,
+        help="Most samples one rollout worker decodes at once (continuous batching); more wait and join "
+        "as others finish. Bounds the KV cache. Unset: no limit.",
+    )
+    hybrid_engine: bool = option(
+        False,
+        help="Generate with the actor's own model in the actor's processes (peers' 'hybrid engine'): no "
+        "rollout workers and no weight sync. Faster for small models on one machine (docs/performance.md); "
+        "batch generation with Hugging Face generate only, so no continuous batching or single requests.",
+    )
 
 
 @dataclass

@@ -197,6 +197,25 @@ def check_algorithm(cfg: RLVRConfig) -> list[str]:
     return problems
 
 
+def check_hybrid_engine(cfg: RLVRConfig) -> list[str]:
+    """With ``rollout.hybrid_engine`` the actor's ranks generate: options of separate rollout workers
+    would be read by nothing."""
+    rollout, hint = cfg.rollout, "set rollout.hybrid_engine=false to use rollout workers"
+    problems = []
+    if rollout.device_mapping is not None:
+        problems.append(
+            f"rollout.device_mapping: the hybrid engine generates on the actor's devices; unset it or {hint}"
+        )
+    if rollout.world_size not in (1, cfg.actor.world_size):
+        problems.append(
+            f"rollout.world_size: the hybrid engine generates on the actor's {cfg.actor.world_size} rank(s); "
+            f"unset it or {hint}"
+        )
+    if rollout.max_running_requests is not None:
+        problems.append(f"rollout.max_running_requests: applies to rollout workers only; unset it or {hint}")
+    return problems
+
+
 def validate_rlvr(cfg: RLVRConfig) -> list[str]:
     from roll.config.devices import check_devices, resolve_world_sizes
 
@@ -214,6 +233,8 @@ def validate_rlvr(cfg: RLVRConfig) -> list[str]:
     if cfg.critic is not None and cfg.critic.model_path is not None:
         problems += check_model_dir("critic.model_path", cfg.critic.model_path)
     samples = rollout.rollout_batch_size * rollout.num_return_sequences
+    if rollout.hybrid_engine:
+        problems += check_hybrid_engine(cfg)
     problems += check_divides(
         "rollout.world_size", rollout.world_size, "rollout.rollout_batch_size", rollout.rollout_batch_size
     )

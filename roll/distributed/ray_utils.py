@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from roll.config.common import RayConfig, cluster_to_join
 from roll.config.loader import ConfigError
@@ -20,7 +21,7 @@ def init_ray(cfg: RayConfig) -> None:
         return
     joined = cluster_to_join(cfg)
     # Workers find `roll` through the installed package; keep Ray's own logs quiet so metrics stay readable.
-    common = {"logging_level": logging.WARNING, "log_to_driver": True}
+    common = {"logging_level": logging.WARNING, "log_to_driver": True, "runtime_env": worker_runtime_env()}
     if joined:
         key, address = joined
         try:
@@ -31,3 +32,11 @@ def init_ray(cfg: RayConfig) -> None:
         ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False, **common)
     # Ray's core worker has just replaced the SIGTERM handler with one that dumps a stack and aborts.
     signals.reinstall()
+
+
+def worker_runtime_env() -> dict:
+    """The job's runtime environment: the stages of a step run one after another in different worker
+    processes, and OpenMP threads that spin after a parallel region (its default) take the cores from
+    the next stage's worker. Measured on the 2-core quickstart: generate 46 -> 36 ms, step 113 -> 99 ms.
+    ``import roll`` sets the same default for the controller; a value the user set wins."""
+    return {"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}}

@@ -1,16 +1,28 @@
 """Trainer -> inference weight transfer, driven from the single controller.
 
-Trainer rank 0 and every inference worker form one collective group (gloo on CPU, NCCL when both ends are
-on GPUs). Each sync broadcasts the full weights in fixed-size buckets, tagged with a version the
-receivers check; sharded trainer ranks help gather each bucket. A failure or a timeout is a
-``WeightSyncError`` naming the sender and the receivers that failed or stopped answering, never a hang.
+Two paths, picked once in :meth:`WeightSync.connect` by :func:`choose_transport`:
+
+- **shared memory** (``shm``) when trainer rank 0 and every inference worker are on one node and the
+  engines hold their weights in host memory: rank 0 writes the weights into one segment on ``/dev/shm``
+  that every receiver has mapped, and each receiver copies them into its engine
+  (``roll.distributed.shm_transfer``). No sockets, one copy in and one copy out per receiver.
+- **collective** otherwise (ranks on several nodes, engines on GPUs, or ``/dev/shm`` too small): trainer
+  rank 0 and every inference worker form one group (gloo on CPU, NCCL when both ends are on GPUs) and
+  each sync broadcasts the full weights in fixed-size buckets (``roll.distributed.weight_transfer``).
+
+Both tag each transfer with a version the receivers check, and sharded trainer ranks help gather each
+bucket. A failure or a timeout is a ``WeightSyncError`` naming the sender and the receivers that failed
+or stopped answering, never a hang.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -18,12 +30,68 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from roll.distributed.cluster import Cluster, ClusterFuture
 from roll.distributed.liveness import RankWatch
+from roll.distributed.shm_transfer import SHM_DIR, Endpoint
 
 _group_ids = itertools.count()
+logger = logging.getLogger("roll")
+
+SHM, COLLECTIVE = "shm", "collective"
+TRANSPORTS = ("auto", COLLECTIVE)
+# Room left on /dev/shm beside the segment: other users of it (Ray's object store spills, torch's
+# multiprocessing tensors, NCCL) must not be squeezed out by the weights.
+SHM_HEADROOM_BYTES = 256 << 20
 
 
 class WeightSyncError(RuntimeError):
     """A weight transfer failed or timed out; the message names the sender and the receivers."""
+
+
+@dataclass(frozen=True)
+class TransportChoice:
+    """The path a WeightSync uses (``shm`` or ``collective``) and why, for the log and the metrics."""
+
+    path: str
+    reason: str
+
+
+def choose_transport(
+    sender: Endpoint,
+    receivers: Sequence[Endpoint],
+    nbytes: int,
+    requested: str = "auto",
+    headroom_bytes: int = SHM_HEADROOM_BYTES,
+) -> TransportChoice:
+    """Shared memory when it can work, the collective path otherwise (pure: endpoints in, choice out).
+
+    Shared memory needs every receiver on trainer rank 0's node (same Ray node id and IP: they then see
+    the same ``/dev/shm``), every receiver's engine in host memory (a GPU engine would need a second copy
+    through the host; NCCL or a CUDA IPC path serves it better), and room for ``nbytes`` plus
+    ``headroom_bytes`` in rank 0's shared-memory directory. ``requested="collective"`` forces the collective
+    path. The reason names the first rank that rules shared memory out.
+    """
+    if requested not in TRANSPORTS:
+        raise ValueError(f"unknown weight transport {requested!r}; expected one of {', '.join(TRANSPORTS)}")
+    if requested == COLLECTIVE:
+        return TransportChoice(COLLECTIVE, "the collective path was requested")
+    if not receivers:
+        return TransportChoice(COLLECTIVE, "no receivers")
+    for rank, receiver in enumerate(receivers):
+        if (receiver.node_id, receiver.ip) != (sender.node_id, sender.ip):
+            return TransportChoice(
+                COLLECTIVE,
+                f"rollout rank {rank} is on node {receiver.ip} ({receiver.node_id[:8]}), trainer rank 0 on "
+                f"{sender.ip} ({sender.node_id[:8]})",
+            )
+        if receiver.device != "cpu":
+            return TransportChoice(COLLECTIVE, f"rollout rank {rank} holds its weights on {receiver.device}")
+    if sender.shm_free_bytes < nbytes + headroom_bytes:
+        return TransportChoice(
+            COLLECTIVE,
+            f"shared memory has {sender.shm_free_bytes / 2**20:.0f} MiB free on {sender.host}, the weights "
+            f"need {nbytes / 2**20:.0f} MiB plus {headroom_bytes / 2**20:.0f} MiB headroom",
+        )
+    where = f"node {sender.ip}"
+    return TransportChoice(SHM, f"all {len(receivers)} rollout ranks share {where} with trainer rank 0")
 
 
 class WeightSync:
@@ -36,17 +104,89 @@ class WeightSync:
         bucket_bytes: int,
         timeout_s: float,
         colocated: bool = False,
+        transport: str = "auto",
+        shm_dir: str = SHM_DIR,
     ):
         """``colocated``: trainer and engines share GPUs. NCCL cannot put two ranks of a group on one GPU,
-        so gloo carries such a transfer through host memory (a CUDA IPC path would avoid the copy)."""
+        so gloo carries such a transfer through host memory (a CUDA IPC path would avoid the copy).
+        ``transport``: ``auto`` (shared memory where :func:`choose_transport` allows it) or
+        ``collective`` (always the gloo/NCCL group, e.g. to compare). ``shm_dir``: where the shared
+        segment lives (``/dev/shm``; tests point it elsewhere)."""
+        choose_transport(Endpoint("", "", "", "cpu", 0), [], 0, transport)  # rejects an unknown name now
         self.trainer, self.inference, self.colocated = trainer, inference, colocated
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        self.transport, self.shm_dir = transport, shm_dir
         self.plan: list[Any] | None = None
         self.backend = "gloo"
+        self.path = COLLECTIVE
+        self.reason = ""
         self.version = -1  # the last version the receivers loaded
+        self._segment_created = False  # trainer rank 0 holds a shared segment that close() must drop
 
     def connect(self) -> None:
-        """Form the collective group and agree on the bucket plan (once, after both clusters are set up)."""
+        """Agree on the bucket plan, pick the path and set it up (once, after both clusters are set up):
+        map the shared segment on every end, or form the collective group."""
+        self.plan = self.trainer.weight_plan(self.bucket_bytes)
+        nbytes = sum(bucket.nbytes for bucket in self.plan)
+        choice = TransportChoice(COLLECTIVE, "the collective path was requested")
+        if self.transport != COLLECTIVE:
+            sender, receivers = self._wait(
+                "locating the weight-transfer ends",
+                self.trainer.weight_endpoint(self.shm_dir, blocking=False),
+                self.inference.weight_endpoint(self.shm_dir, blocking=False),
+                via="path not chosen yet",
+            )
+            choice = choose_transport(sender[0], receivers, nbytes, self.transport)
+        if choice.path == SHM:
+            failure = self._connect_shm()
+            if failure:
+                choice = TransportChoice(COLLECTIVE, failure)
+        self.path, self.reason = choice.path, choice.reason
+        if self.path == COLLECTIVE:
+            self._connect_collective()
+        logger.info(
+            "weight sync %s -> %s: %s (%s), %d buckets, %.1f MB",
+            self.trainer.role,
+            self.inference.role,
+            self.path_name,
+            self.reason,
+            len(self.plan),
+            nbytes / 1e6,
+        )
+
+    @property
+    def path_name(self) -> str:
+        """``shm``, or the collective backend (``gloo``/``nccl``): what the sync stats call the path."""
+        return SHM if self.path == SHM else self.backend
+
+    def _connect_shm(self) -> str | None:
+        """Create the segment on trainer rank 0 and map it on every receiver; then unlink its name, so
+        nothing can be left on /dev/shm. Returns why shared memory is out (the segment could not be
+        created), or None; a receiver that cannot map it is an error."""
+        created = self._wait(
+            "creating the shared weight segment",
+            self.trainer.create_shared_weights(self.plan, self.shm_dir, blocking=False),
+            via=SHM,
+        )[0]
+        info, refusal = created[0]
+        if info is None:
+            return refusal
+        self._segment_created = True
+        try:
+            self._wait(
+                "mapping the shared weight segment",
+                self.inference.open_shared_weights(info, self.plan, blocking=False),
+                via=SHM,
+            )
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            # Mapped everywhere (or failed): the name has served its purpose either way.
+            self.trainer.unlink_shared_weights()
+        return None
+
+    def _connect_collective(self) -> None:
         devices = {*self.trainer.device_type(), *self.inference.device_type()}
         self.backend = transfer_backend(devices, self.colocated)
         address, port = self.trainer.master_address()
@@ -57,10 +197,11 @@ class WeightSync:
             self.trainer.join_weight_group(*args, blocking=False),
             self.inference.join_weight_group(*args, blocking=False),
         )
-        self.plan = self.trainer.weight_plan(self.bucket_bytes)
 
-    def sync(self, version: int) -> dict[str, float]:
-        """Send the trainer's current weights as ``version``; returns bytes, seconds and throughput."""
+    def sync(self, version: int) -> dict[str, Any]:
+        """Send the trainer's current weights as ``version``; returns bytes, seconds, buckets, throughput
+        (``gb_per_s``) and the ``path`` taken (``shm``, ``gloo`` or ``nccl``); the shared-memory path also
+        splits the time into ``write_s`` (trainer) and ``read_s`` (receivers loading)."""
         if version <= self.version:
             raise ValueError(
                 f"weights version {version} is not newer than the last one sent ({self.version})"
@@ -68,11 +209,26 @@ class WeightSync:
         if self.plan is None:
             self.connect()
         start = time.perf_counter()
-        sent, _ = self._wait(
-            f"sending weights version {version}",
-            self.trainer.send_weights(self.plan, version, self.timeout_s, blocking=False),
-            self.inference.receive_weights(self.plan, version, self.timeout_s, blocking=False),
-        )
+        extra: dict[str, Any] = {}
+        if self.path == SHM:
+            # Two calls, not one: the receivers must not read while rank 0 writes, and the controller's
+            # ordering is the cheapest lock there is (a few ms of Ray calls, no polling).
+            (sent,) = self._wait(
+                f"writing weights version {version} to shared memory",
+                self.trainer.write_shared_weights(version, blocking=False),
+            )
+            written = time.perf_counter()
+            self._wait(
+                f"loading weights version {version} from shared memory",
+                self.inference.load_shared_weights(version, blocking=False),
+            )
+            extra = {"write_s": written - start, "read_s": time.perf_counter() - written}
+        else:
+            sent, _ = self._wait(
+                f"sending weights version {version}",
+                self.trainer.send_weights(self.plan, version, self.timeout_s, blocking=False),
+                self.inference.receive_weights(self.plan, version, self.timeout_s, blocking=False),
+            )
         seconds = time.perf_counter() - start
         self.version = version
         nbytes = sent[0]["bytes"]
@@ -81,18 +237,31 @@ class WeightSync:
             "seconds": seconds,
             "buckets": sent[0]["buckets"],
             "gb_per_s": nbytes / seconds / 1e9,
+            "path": self.path_name,
+            **extra,
         }
 
-    def _wait(self, what: str, send: ClusterFuture, receive: ClusterFuture) -> tuple[list[Any], list[Any]]:
-        """Both sides' results; on any failure or timeout a WeightSyncError saying who did what."""
+    def close(self) -> None:
+        """Drop the shared segment on every end (the collective group goes with the workers' shutdown).
+        Safe to call twice; a worker that is already gone is skipped."""
+        if not self._segment_created:
+            return
+        self._segment_created = False
+        for cluster in (self.inference, self.trainer):
+            try:
+                cluster.close_shared_weights()
+            except Exception as exc:  # cleanup: report, never mask the error that led here
+                logger.warning("closing the shared weight segment on %s: %s", cluster.role, exc)
+
+    def _wait(self, what: str, *futures: ClusterFuture, via: str | None = None) -> list[list[Any]]:
+        """Every future's results; on any failure or timeout a WeightSyncError saying who did what
+        (``via``: the path named in it, by default the one in use)."""
         # The collectives time out on their own after timeout_s; the margin lets their errors arrive first.
         deadline = time.monotonic() + self.timeout_s * 1.5 + 10.0
-        refs = {**_labelled(send), **_labelled(receive)}
-        ranks = {
-            ref: (future.role, rank) for future in (send, receive) for rank, ref in enumerate(future.refs)
-        }
+        refs = {ref: label for future in futures for ref, label in _labelled(future).items()}
+        ranks = {ref: (future.role, rank) for future in futures for rank, ref in enumerate(future.refs)}
         # A frozen end would hold every other end in the collective until the timeout: watch them all.
-        watch = RankWatch.combine(send.watch, receive.watch)
+        watch = RankWatch.combine(*(future.watch for future in futures))
         pending = list(refs)
         while pending and time.monotonic() < deadline:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(1.0, self.timeout_s))
@@ -104,13 +273,15 @@ class WeightSync:
                 break
         errors = {refs[ref]: _error(ref) for ref in refs if ref not in pending and _failed(ref)}
         if not pending and not errors:
-            return send.get(), receive.get()
+            return [future.get() for future in futures]
         lines = [f"{who} did not answer within {self.timeout_s:.0f} s" for who in map(refs.get, pending)]
         lines += [f"{who}: {detail}" for who, detail in errors.items()]
         sender = f"{self.trainer.role} rank 0"
         receivers = f"{self.inference.role} ranks 0-{self.inference.world_size - 1}"
+        via = via or self.path_name
+        via = "shared memory" if via == SHM else via
         raise WeightSyncError(
-            f"weight transfer failed while {what}, from {sender} to {receivers} ({self.backend}):\n  "
+            f"weight transfer failed while {what}, from {sender} to {receivers} ({via}):\n  "
             + "\n  ".join(lines)
         )
 

@@ -9,7 +9,6 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -47,12 +46,12 @@ from roll.pipelines.credit import (
     shaping_enabled,
 )
 from roll.pipelines.preflight import RunInputs, preflight
-from roll.strategies.sampling import SamplingParams
+from roll.pipelines.worker_specs import plan_workers, updates_per_step
 from roll.tracking import Tracker
 from roll.utils.signals import set_activity
-from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
+from roll.workers.actor import ActorWorker
 from roll.workers.base import ModelSpec
-from roll.workers.critic import CriticSpec, CriticWorker
+from roll.workers.critic import CriticWorker
 from roll.workers.reference import ReferenceWorker
 from roll.workers.reward import RewardWorker
 from roll.workers.rollout import RolloutWorker
@@ -69,16 +68,10 @@ class RLVRPipeline:
         self.config = config
         self.device_table: DeviceTable | None = None
         self.actor = self.critic = self.rollout = self.reward = self.reference = None
+        self.weight_sync: WeightSync | None = None
         inputs = inputs or preflight(config)
         self.tokenizer, self.train_prompts, self.eval_prompts = inputs.tokenizer, inputs.train, inputs.eval
         rollout = config.rollout
-        self.sampling = SamplingParams(
-            max_new_tokens=rollout.max_new_tokens,
-            temperature=rollout.temperature,
-            top_p=rollout.top_p,
-            top_k=rollout.top_k,
-        )
-        self.eval_sampling = self.sampling.as_greedy(config.eval.max_new_tokens)
         try:
             # Ray and the devices of a joined cluster come before anything is written: an impossible
             # mapping fails here, not after the SFT warm start.
@@ -119,18 +112,13 @@ class RLVRPipeline:
     def _start_clusters(self, placements: Callable[[str], list[RankPlacement] | None]) -> None:
         cfg = self.config
         set_activity("starting the workers")
-        model = ModelSpec(path=self.model_path, dtype=cfg.model.dtype, seed=cfg.seed)
-        samples = cfg.rollout.rollout_batch_size * cfg.rollout.num_return_sequences
+        plan = self.plan = plan_workers(cfg, self.model_path)
+        samples = plan.prompts_per_step * plan.samples_per_prompt
         algo = cfg.algorithm
-        actor_spec = ActorSpec(
-            **_trainer_fields(cfg.actor, model, samples, cfg.steps, cfg.ray.call_timeout_s),
-            algorithm=algo,
-            temperature=cfg.rollout.temperature,
-        )
         # With one optimizer step per rollout batch the "old" policy is the current one: its logprobs
         # come free inside the train step, so the extra forward pass is skipped. A KL in the reward
         # needs them before the update, so it keeps the pass.
-        self.needs_old_logprobs = _updates_per_step(cfg.actor, samples) > 1 or (
+        self.needs_old_logprobs = updates_per_step(cfg.actor, samples) > 1 or (
             algo.kl_coef > 0 and algo.kl_penalty == "reward"
         )
         self.kl_coef = algo.kl_coef  # moves each step when algorithm.kl_target is set
@@ -139,51 +127,58 @@ class RLVRPipeline:
             Cluster, timeout_s=timeout, plugins=cfg.imports, liveness=Liveness.from_config(cfg.ray)
         )
         self.actor = cluster(
-            "actor", ActorWorker, cfg.actor.world_size, actor_spec, placements=placements("actor")
+            "actor", ActorWorker, cfg.actor.world_size, plan.actor, placements=placements("actor")
         )
-        self.rollout = cluster(
-            "rollout",
-            RolloutWorker,
-            cfg.rollout.world_size,
-            _Holder(model),
-            placements=placements("rollout"),
-        )
+        if plan.hybrid_engine:  # the actor generates with its own model: nothing to start or sync
+            self.generator, self.generator_role = self.actor, "actor"
+        else:
+            self.rollout = cluster(
+                "rollout",
+                RolloutWorker,
+                cfg.rollout.world_size,
+                plan.rollout,
+                placements=placements("rollout"),
+            )
+            self.generator, self.generator_role = self.rollout, "rollout"
         self.reward = cluster("reward", RewardWorker, cfg.reward_world_size, cfg.reward)
         self.reference = (
             cluster(
                 "reference",
                 ReferenceWorker,
                 cfg.actor.world_size,
-                _Holder(model),
+                _Holder(plan.actor.model),
                 placements=placements("reference"),
             )
             if algo.kl_coef > 0
             else None
         )
         self.critic = None
-        if cfg.critic is not None:
-            critic_model = dataclasses.replace(model, path=cfg.critic.model_path or model.path)
-            critic_spec = CriticSpec(
-                **_trainer_fields(cfg.critic, critic_model, samples, cfg.steps, timeout),
-                value_clip=cfg.critic.value_clip,
-            )
+        if plan.critic is not None:
             self.critic = cluster(
-                "critic", CriticWorker, cfg.critic.world_size, critic_spec, placements=placements("critic")
+                "critic", CriticWorker, cfg.critic.world_size, plan.critic, placements=placements("critic")
             )
-        clusters = {"actor": self.actor, "rollout": self.rollout}
-        clusters.update(
-            {name: c for name, c in (("reference", self.reference), ("critic", self.critic)) if c}
-        )
+        clusters = {
+            name: c
+            for name, c in (
+                ("actor", self.actor),
+                ("rollout", self.rollout),
+                ("reference", self.reference),
+                ("critic", self.critic),
+            )
+            if c
+        }
         self.colocation = Colocation(clusters, colocation_groups(self.roles.values()))
         setups = {name: functools.partial(c.setup, blocking=False) for name, c in clusters.items()}
         for trainer in ("actor", "critic"):
             if trainer in clusters:
                 setups[trainer] = functools.partial(setup_trainer, clusters[trainer], blocking=False)
         self.colocation.start(setups)
+        if self.rollout is None:
+            return
         self.weight_sync = WeightSync(
             self.actor,
             self.rollout,
-            bucket_bytes=cfg.rollout.weight_bucket_mb << 20,
+            bucket_bytes=plan.weight_bucket_bytes,
             timeout_s=timeout,
             colocated=is_colocated(self.roles["actor"], self.roles["rollout"]),
         )
@@ -195,6 +190,8 @@ class RLVRPipeline:
         loads."""
         cfg = self.config
         self.roles = {role.role: role for role in role_plan(cfg)}
+        if cfg.rollout.hybrid_engine:
+            del self.roles["rollout"]
         if cfg.algorithm.kl_coef > 0:  # the reference model lives on the actor's devices
             self.roles["reference"] = dataclasses.replace(self.roles["actor"], role="reference")
         if not any(role.device_mapping is not None for role in self.roles.values()):
@@ -253,16 +250,18 @@ class RLVRPipeline:
         indices = self.prompt_order.next_indices()
         batch = prompt_batch(self.train_prompts, indices, self.tokenizer.pad_token_id)
         batch["group_index"] = torch.arange(len(indices))
-        batch = batch.repeat(cfg.rollout.num_return_sequences, interleave=True)
+        batch = batch.repeat(self.plan.samples_per_prompt, interleave=True)
 
         metrics: dict[str, float] = {}
         with timer("generate"):
-            _add(metrics, self.colocation.use("rollout"))
-            batch = batch.union(self.rollout.generate(batch, self.sampling))
+            _add(metrics, self.colocation.use(self.generator_role))
+            batch = batch.union(
+                self.generator.generate(batch.select_keys(GENERATE_FIELDS), self.plan.sampling)
+            )
         mask = batch["response_mask"].float()
         lengths = mask.sum(dim=1)
         with timer("reward"):
-            scores = self.reward.compute_rewards(batch)["scores"]
+            scores = self.reward.compute_rewards(batch.select_keys(REWARD_FIELDS))["scores"]
             shaped = shape_scores(scores, lengths, algo.reward_shaping, cfg.rollout.max_new_tokens)
         with timer("logprobs"):
             batch = self._forward_passes(batch, metrics)
@@ -280,22 +279,25 @@ class RLVRPipeline:
         if self.critic is not None:
             with timer("critic"):
                 _add(metrics, self.colocation.use("critic"))
-                metrics.update({f"critic/{k}": v for k, v in self.critic.train_step(batch).items()})
+                metrics.update({f"critic/{k}": v for k, v in self.critic.train_step(_tensors(batch)).items()})
         with timer("train"):
             _add(metrics, self.colocation.use("actor"))
             kl_loss_coef = self.kl_coef if algo.kl_penalty == "loss" else 0.0
-            metrics.update({f"actor/{k}": v for k, v in self.actor.train_step(batch, kl_loss_coef).items()})
-        with timer("sync"):
-            _add(metrics, self.colocation.use("actor", "rollout"))
-            sent = self.weight_sync.sync(version=step)
-            metrics["sync/gb_per_s"] = sent["gb_per_s"]
+            metrics.update(
+                {f"actor/{k}": v for k, v in self.actor.train_step(_tensors(batch), kl_loss_coef).items()}
+            )
+        if self.weight_sync is not None:
+            with timer("sync"):
+                _add(metrics, self.colocation.use("actor", "rollout"))
+                sent = self.weight_sync.sync(version=step)
+                metrics["sync/gb_per_s"] = sent["gb_per_s"]
         if self.reference is not None:
             metrics["actor/kl_coef"] = self.kl_coef
             self._adapt_kl_coef(metrics, len(batch))
 
         step_time = time.perf_counter() - start
         tokens = float(lengths.sum() + batch["prompt_mask"].sum())
-        group_size = cfg.rollout.num_return_sequences
+        group_size = self.plan.samples_per_prompt
         if group_size > 1:  # with one sample per prompt every "group" trivially agrees
             metrics["reward/all_same_group_frac"] = _all_same_group_fraction(scores, group_size)
         if shaping_enabled(algo.reward_shaping):
@@ -321,13 +323,13 @@ class RLVRPipeline:
         temperature = self.config.rollout.temperature
         if self.reference is not None:
             _add(metrics, self.colocation.use("reference"))
-            batch["ref_logprobs"] = self.reference.compute_logprobs(batch, temperature)["logprobs"]
+            batch["ref_logprobs"] = self.reference.compute_logprobs(_tensors(batch), temperature)["logprobs"]
         if self.needs_old_logprobs:
             _add(metrics, self.colocation.use("actor"))
-            batch["old_logprobs"] = self.actor.compute_logprobs(batch, temperature)["logprobs"]
+            batch["old_logprobs"] = self.actor.compute_logprobs(_tensors(batch), temperature)["logprobs"]
         if self.critic is not None:
             _add(metrics, self.colocation.use("critic"))
-            batch["values"] = self.critic.compute_values(batch)["values"]
+            batch["values"] = self.critic.compute_values(_tensors(batch))["values"]
         return batch
 
     def _adapt_kl_coef(self, metrics: dict[str, float], batch_size: int) -> None:
@@ -340,16 +342,20 @@ class RLVRPipeline:
 
     def evaluate(self) -> dict[str, float]:
         assert self.eval_prompts is not None
-        self.colocation.use("rollout")
+        self.colocation.use(self.generator_role)
         return evaluate(
             self.eval_prompts,
-            generate=lambda batch, params: self.rollout.generate(batch, params),
-            score=lambda batch: self.reward.compute_rewards(batch, self.config.eval_reward)["scores"],
-            params=self.eval_sampling,
+            generate=lambda batch, params: self.generator.generate(
+                batch.select_keys(GENERATE_FIELDS), params
+            ),
+            score=lambda batch: self.reward.compute_rewards(
+                batch.select_keys(REWARD_FIELDS), self.config.eval_reward
+            )["scores"],
+            params=self.plan.eval_sampling,
             batch_size=self.config.eval.batch_size,
             pad_id=self.tokenizer.pad_token_id,
             max_prompts=self.config.eval.max_prompts,
-            divisor=math.lcm(self.config.rollout.world_size, self.config.reward_world_size),
+            divisor=math.lcm(self.generator.world_size, self.config.reward_world_size),
         )
 
     def _warn_on_collapse(self, tracker: Tracker, score: float, results: dict[str, float]) -> None:
@@ -373,6 +379,17 @@ class RLVRPipeline:
             self.device_table = None
 
 
+# Each worker call carries only the fields its worker reads: pickling the whole batch (texts, dataset
+# rows, every tensor) to each rank costs time that grows with the batch and buys nothing.
+GENERATE_FIELDS = ("prompt_ids", "prompt_mask")
+REWARD_FIELDS = ("prompt_text", "response_text", "sample")
+
+
+def _tensors(batch: Batch) -> Batch:
+    """The tensor fields only: trainer, reference and critic workers read no text."""
+    return batch.select_keys(batch.tensors)
+
+
 @dataclasses.dataclass
 class _Holder:
     """Config object for model-only workers (reference, rollout)."""
@@ -384,26 +401,6 @@ def _add(metrics: dict[str, float], more: dict[str, float]) -> None:
     """Sum ``more`` into ``metrics`` (a stage may offload several times per step)."""
     for key, value in more.items():
         metrics[key] = metrics.get(key, 0.0) + value
-
-
-def _updates_per_step(section: Any, samples: int) -> int:
-    """Optimizer steps an ``actor``/``critic`` section makes on one rollout batch of ``samples``."""
-    return section.ppo_epochs * (samples // (section.mini_batch_size or samples))
-
-
-def _trainer_fields(section: Any, model: ModelSpec, samples: int, steps: int, timeout_s: float) -> dict:
-    """TrainerSpec fields from an ``actor``/``critic`` config section; the LR schedule spans every
-    optimizer step of the run."""
-    return {
-        "model": model,
-        "optimizer": OptimizerSpec.from_config(
-            section, total_steps=steps * _updates_per_step(section, samples)
-        ),
-        "micro_batch_size": section.micro_batch_size,
-        "ppo_epochs": section.ppo_epochs,
-        "mini_batch_size": section.mini_batch_size,
-        "collective_timeout_s": timeout_s,
-    }
 
 
 def _all_same_group_fraction(scores: torch.Tensor, group_size: int) -> float:

@@ -24,6 +24,7 @@ from roll.pipelines.common import (
     write_resolved_config,
 )
 from roll.pipelines.preflight import RunInputs, preflight
+from roll.pipelines.worker_specs import from_section
 from roll.rewards import score_response
 from roll.strategies.sampling import SamplingParams
 from roll.utils.signals import set_activity
@@ -46,10 +47,11 @@ class SFTPipeline:
         write_resolved_config(config, config.output_dir)
         self.model_path = prepare_model(config.model, config.output_dir)
         train = config.train
-        spec = ActorSpec(
+        spec = from_section(
+            ActorSpec,
+            train,
             model=ModelSpec(path=self.model_path, dtype=config.model.dtype, seed=config.seed),
             optimizer=OptimizerSpec.from_config(train, total_steps=train.steps),
-            micro_batch_size=train.micro_batch_size,
             collective_timeout_s=config.ray.call_timeout_s,
         )
         set_activity(f"starting the {name} worker")

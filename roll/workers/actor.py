@@ -11,6 +11,7 @@ from roll.config.rlvr import AlgorithmConfig
 from roll.data.batch import Batch
 from roll.distributed.collective import CollectiveGroup
 from roll.distributed.dispatch import Dispatch
+from roll.distributed.shm_transfer import Endpoint, SegmentInfo, SharedWeights
 from roll.distributed.weight_buckets import Bucket, metas_of
 from roll.distributed.worker import register
 from roll.strategies.hf_forward import response_logprobs
@@ -29,6 +30,8 @@ class ActorWorker(TrainerWorker):
     """``config`` is an ActorSpec."""
 
     weight_group: CollectiveGroup | None = None  # rank 0's end of the weight transfer, once joined
+    shared_weights: SharedWeights | None = None  # rank 0's shared segment (one-node transfer), once made
+    shared_plan: list[Bucket] | None = None  # the plan every rank gathers by when writing to it
 
     # ---------------------------------------------------------------- RL
     @register(Dispatch.DP_COMPUTE)
@@ -142,6 +145,60 @@ class ActorWorker(TrainerWorker):
                 named.append((name, tensor))
         return named
 
+    # ---------------------------------------------------------------- weights through shared memory
+    @register(Dispatch.ONE_TO_ALL)
+    def weight_endpoint(self, shm_dir: str) -> Endpoint:
+        """Where this rank runs (node, IP, device, free shared memory); rank 0's picks the transfer path."""
+        from roll.distributed.shm_transfer import local_endpoint
+
+        return local_endpoint(self.device, shm_dir)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def create_shared_weights(self, plan: list[Bucket], shm_dir: str) -> tuple[SegmentInfo | None, str]:
+        """Rank 0 allocates the shared segment for ``plan`` in ``shm_dir``; every rank keeps the plan (they
+        all gather during a write). Returns the segment's info, or None and why it could not be made."""
+        from roll.distributed.shm_transfer import SharedWeights
+
+        self.close_shared_weights()
+        self.shared_plan = plan
+        if self.rank != 0:
+            return None, ""
+        try:
+            self.shared_weights = SharedWeights.create(plan, shm_dir)
+        except OSError as exc:
+            return None, f"could not allocate the shared weight segment in {shm_dir}: {exc}"
+        return self.shared_weights.info, ""
+
+    @register(Dispatch.RANK_ZERO)
+    def unlink_shared_weights(self) -> None:
+        """Remove the segment's name once the receivers have mapped it: nothing is left on /dev/shm
+        however the processes end, and the memory stays until the last mapping goes."""
+        if self.shared_weights is not None:
+            self.shared_weights.unlink()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def write_shared_weights(self, version: int) -> dict[str, float]:
+        """Write the current weights into the shared segment as ``version`` (rank 0; the other ranks only
+        help gather sharded weights, bucket by bucket)."""
+        from roll.distributed.shm_transfer import write_weights
+        from roll.strategies.fsdp import full_tensor
+
+        if self.shared_plan is None:
+            raise RuntimeError("no shared weight segment: call create_shared_weights first")
+        weights = dict(self._named_weights())
+
+        def tensors_for(bucket: Bucket) -> dict[str, torch.Tensor]:
+            return {meta.name: full_tensor(weights[meta.name]).detach() for meta in bucket.tensors}
+
+        return write_weights(self.shared_weights, self.shared_plan, tensors_for, version)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def close_shared_weights(self) -> None:
+        """Drop the shared segment (and its file, if still named); idempotent."""
+        if self.shared_weights is not None:
+            self.shared_weights.close()
+        self.shared_weights, self.shared_plan = None, None
+
     @register(Dispatch.ONE_TO_ALL)
     def shutdown(self) -> None:
         from roll.distributed.collective import destroy_group
@@ -149,4 +206,5 @@ class ActorWorker(TrainerWorker):
         if self.weight_group is not None:
             destroy_group(self.weight_group)
             self.weight_group = None
+        self.close_shared_weights()
         super().shutdown()

@@ -4,6 +4,7 @@ trainer over the weight-transfer group."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -14,17 +15,26 @@ from roll.distributed.dispatch import Dispatch
 from roll.distributed.worker import register
 from roll.strategies.infer import INFERENCE_ENGINES, GenerateRequest, GenerateResult, InferenceEngine
 from roll.strategies.sampling import SamplingParams
-from roll.workers.base import ModelWorker
+from roll.workers.base import ModelSpec, ModelWorker
 
 # Single requests (submit / await / abort) go to one worker, so they are plain methods that the router
 # calls on that worker's handle; a Cluster call would reach every rank.
 REQUEST_METHODS = ("submit", "await_result", "abort")
 
 
+@dataclass
+class RolloutSpec:
+    """What a rollout worker needs to start; fields named as in the ``rollout`` config section."""
+
+    model: ModelSpec
+    max_running_requests: int | None = None
+
+
 class RolloutWorker(ModelWorker):
-    """``config.model`` is a ModelSpec. Single requests, aborts and shutdown run in their own threads
-    (the ``control`` group): they must reach the engine while a generation is in progress (the engine
-    serialises its own model use). Generation and weight loading share the actor's one main thread."""
+    """``config`` is a RolloutSpec (or anything with a ``model`` ModelSpec). Single requests, aborts and
+    shutdown run in their own threads (the ``control`` group): they must reach the engine while a
+    generation is in progress (the engine serialises its own model use). Generation and weight loading
+    share the actor's one main thread; the engine decodes in its own serving thread."""
 
     concurrency_groups = {"control": 8}
     weights_version: int = -1
@@ -33,7 +43,10 @@ class RolloutWorker(ModelWorker):
     @register(Dispatch.ONE_TO_ALL)
     def setup(self, **kwargs: object) -> None:
         super().setup(**kwargs)
-        self.engine = INFERENCE_ENGINES.get("hf")(self.model, self.tokenizer, self.device)
+        capacity = getattr(self.config, "max_running_requests", None)
+        self.engine = INFERENCE_ENGINES.get("hf")(
+            self.model, self.tokenizer, self.device, max_running_requests=capacity
+        )
         self.weight_group = None
 
     @register(Dispatch.ONE_TO_ALL)
@@ -97,7 +110,10 @@ class RolloutWorker(ModelWorker):
         if self.weight_group is None:
             raise RuntimeError("no weight-transfer group: call join_weight_group first")
         device = self.device if self.weight_group.backend == "nccl" else torch.device("cpu")
-        stats = receive_weights(self.weight_group, plan, version, timeout_s, device, self.engine.load_weights)
+        with self.engine.weight_update(version):  # no decode step sees half the buckets
+            stats = receive_weights(
+                self.weight_group, plan, version, timeout_s, device, self.engine.load_weights
+            )
         self.weights_version = version
         return stats
 
@@ -106,6 +122,46 @@ class RolloutWorker(ModelWorker):
         """Replace the weights with ``state_dict`` (e.g. a checkpoint); ``version`` must move forward."""
         if version <= self.weights_version:
             raise ValueError(f"weights version {version} is not newer than the loaded {self.weights_version}")
-        self.engine.load_weights(state_dict)
+        self.engine.load_weights(state_dict, version=version)
         self.weights_version = version
         return version
+
+    # ------------------------------------------------------------ weights through shared memory (one node)
+    @register(Dispatch.ONE_TO_ALL)
+    def weight_endpoint(self, shm_dir: str) -> Any:
+        """Where this worker runs (node, IP, device, free shared memory): picks the weight-transfer path."""
+        from roll.distributed.shm_transfer import local_endpoint
+
+        return local_endpoint(self.device, shm_dir)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def open_shared_weights(self, info: Any, plan: list[Any]) -> None:
+        """Map the trainer's shared weight segment (kept for every later sync)."""
+        from roll.distributed.shm_transfer import SharedWeights
+
+        self.close_shared_weights()
+        self._shared_weights = SharedWeights.open(info, plan)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_shared_weights(self, version: int) -> dict[str, float]:
+        """Copy ``version`` of the weights, which the trainer has just written to the shared segment,
+        into the engine's model."""
+        from roll.distributed.shm_transfer import read_weights
+
+        if version <= self.weights_version:
+            raise ValueError(f"weights version {version} is not newer than the loaded {self.weights_version}")
+        segment = getattr(self, "_shared_weights", None)
+        if segment is None:
+            raise RuntimeError("no shared weight segment: call open_shared_weights first")
+        with self.engine.weight_update(version):  # no decode step sees half the buckets
+            stats = read_weights(segment, version, self.engine.load_weights)
+        self.weights_version = version
+        return stats
+
+    @register(Dispatch.ONE_TO_ALL)
+    def close_shared_weights(self) -> None:
+        """Drop this worker's mapping of the shared weight segment (idempotent)."""
+        segment = getattr(self, "_shared_weights", None)
+        if segment is not None:
+            segment.close()
+            self._shared_weights = None

@@ -7,8 +7,9 @@ used on CPU and in tests and the fast GPU engines plug in the same way.
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -65,13 +66,16 @@ class GenerateResult:
     value per token, the log-probability of the sampled token under the sampling temperature (the same
     quantity as ``rollout_logprobs`` of batch generation). ``finish_reason`` is "stop" (EOS), "length"
     (``max_new_tokens`` reached) or "abort" (``abort`` was called; the tokens are those produced so far,
-    none for a request that had not started).
+    none for a request that had not started). ``weight_versions`` holds, per token, the version of the
+    weights that sampled it (the ``version`` given to ``load_weights``; -1 before any): a request in
+    flight across a weight update shows both versions, which is what staleness bounds are checked on.
     """
 
     request_id: str
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    weight_versions: list[int] = field(default_factory=list)
 
 
 class InferenceEngine(abc.ABC):
@@ -81,7 +85,8 @@ class InferenceEngine(abc.ABC):
     ``submit`` / ``await_result`` / ``abort`` handle single requests (asynchronous and partial rollout,
     dynamic sampling that stops once enough samples are in). The contract is drawn so that vLLM's
     ``AsyncLLMEngine`` (``add_request`` / ``abort``) and SGLang's engine fit it; their adapters are a
-    later issue. ``HFEngine`` (``roll.strategies.infer.hf``) is the reference implementation.
+    later issue. ``HFEngine`` (``roll.strategies.infer.hf``, continuous batching over any Hugging Face
+    causal LM) is the implementation used today.
 
     Rules every engine keeps:
       - ``submit``, ``abort`` and ``await_result`` may be called from any thread, also while a generation
@@ -89,7 +94,8 @@ class InferenceEngine(abc.ABC):
       - Results are delivered exactly once: ``await_result`` hands a finished result over and forgets it.
       - While memory is released (``release_memory``), ``generate`` and ``submit`` raise RuntimeError;
         requests submitted before the release wait until ``reacquire_memory``.
-      - Weights loaded with ``load_weights`` never change in the middle of a generation.
+      - Weights loaded with ``load_weights`` never change in the middle of a decode step; requests in
+        flight go on with the new weights, and each token records the version that sampled it.
     """
 
     @abc.abstractmethod
@@ -127,14 +133,20 @@ class InferenceEngine(abc.ABC):
         meaning) as ``roll.strategies.hf_generate.generate``."""
 
     @abc.abstractmethod
-    def load_weights(self, named_tensors: NamedTensors) -> None:
-        """Copy ``named_tensors`` into the live model by name, waiting for a running generation first.
+    def load_weights(self, named_tensors: NamedTensors, version: int | None = None) -> None:
+        """Copy ``named_tensors`` into the live model by name, between two decode steps (never inside
+        one); ``version``, when given, labels the tokens sampled from then on (``weight_versions``).
 
         Tied weights (e.g. an LM head tied to the embedding) may be absent.
 
         Raises:
             ValueError: names the model does not have (all of them listed) or shapes that differ.
         """
+
+    @abc.abstractmethod
+    def weight_update(self, version: int) -> contextlib.AbstractContextManager[None]:
+        """A context in which no decode step runs, for weights that arrive in several
+        ``load_weights`` calls (buckets); tokens sampled after it carry ``version``."""
 
     @abc.abstractmethod
     def release_memory(self) -> dict[str, float]:

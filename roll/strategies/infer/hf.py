@@ -1,26 +1,42 @@
-"""``HFEngine``: the inference-engine contract on Hugging Face ``generate`` (CPU, tests, small GPUs)."""
+"""``HFEngine``: a continuous-batching decode loop over a Hugging Face causal LM (CPU, tests, small GPUs).
+
+One background thread owns the model and runs decode steps. Between two steps it admits queued
+requests (up to ``max_running_requests`` rows in flight): their prompts are prefilled together and
+their rows join the running batch, whose KV cache (``SlotCache``) keeps every row left-padded to a
+common length. A row that ends (EOS, ``max_new_tokens``, abort) leaves the batch at once and its
+result is published at that step, not when the whole batch ends. Only the sampled token's logprob is
+kept per step, so memory is bounded by the KV cache and one [rows, vocab] logits tensor, whatever the
+vocabulary and response length.
+
+Batch generation (``generate``) submits every row as a request and waits for all of them, so both
+paths run the same code. ``roll.strategies.hf_generate`` (Hugging Face ``generate``) is the independent
+reference the tests hold this engine to.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
 
 from roll.data.batch import Batch
-from roll.data.padding import left_pad
-from roll.strategies import hf_generate
+from roll.data.padding import left_pad, position_ids_from_mask
 from roll.strategies.infer.base import GenerateRequest, GenerateResult, InferenceEngine, NamedTensors
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.infer.kv_cache import SlotCache
+from roll.strategies.sampling import SamplingParams, sample_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = ["HFEngine"]
+
+_BATCH_ID_PREFIX = "\x00batch"  # ids of the requests ``generate`` makes; no caller id starts with NUL
 
 
 @dataclass
@@ -35,27 +51,15 @@ class _Entry:
     error: Exception | None = None
 
 
-class _AbortCriterion(StoppingCriteria):
-    """Stops the rows whose request was aborted and records how many tokens each had by then.
+@dataclass
+class _Row:
+    """A running request's row in the decode batch; touched by the serving thread only."""
 
-    HF ``generate`` calls stopping criteria once per new token with the full sequences
-    [B, prompt + generated] and drops every row marked True from its unfinished set. A dropped row then
-    receives the pad token at each later step, so the cut-off has to be recorded here: with pad == EOS
-    (a common tokenizer setup) an aborted row would otherwise look like one that ended with EOS.
-    """
-
-    def __init__(self, size: int, prompt_length: int, aborted: Callable[[], list[bool]]) -> None:
-        self.prompt_length = prompt_length
-        self.aborted = aborted
-        self.stopped_at: list[int | None] = [None] * size
-
-    def __call__(self, input_ids: torch.LongTensor, scores: object, **kwargs: object) -> torch.BoolTensor:
-        generated = input_ids.shape[1] - self.prompt_length
-        for row, flag in enumerate(self.aborted()):
-            if flag and self.stopped_at[row] is None:
-                self.stopped_at[row] = generated
-        stopped = [at is not None for at in self.stopped_at]
-        return torch.tensor(stopped, dtype=torch.bool, device=input_ids.device)
+    entry: _Entry
+    next_position: int  # position id of the token fed at the next decode step
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
 
 
 def _accelerator_bytes(model: torch.nn.Module) -> int:
@@ -65,20 +69,15 @@ def _accelerator_bytes(model: torch.nn.Module) -> int:
 
 
 class HFEngine(InferenceEngine):
-    """Serves ``model`` with Hugging Face ``generate``: batch generation and single requests.
-
-    Single requests are run by one background thread that owns the model: each round it takes the
-    oldest queued request and every other queued request with equal SamplingParams (at most
-    ``max_batch_size``), left-pads their prompts and runs them as one ``generate`` call, so their
-    tokens and logprobs are those of ``roll.strategies.hf_generate.generate`` on the same rows. An abort
-    of a running request stops its row at the next token through a stopping criterion; the row's result
-    is delivered when its batch ends, since ``generate`` returns all rows together.
+    """Serves ``model`` with continuous batching: batch generation and single requests.
 
     Args:
-        model: a causal LM; moved to ``device`` and put in eval mode.
+        model: a causal LM whose forward takes ``past_key_values`` and ``logits_to_keep`` (every
+            Hugging Face decoder does); moved to ``device`` and put in eval mode.
         tokenizer: gives the EOS and pad ids (pad falls back to EOS) and decodes ``response_text``.
         device: where the model runs; default: where its parameters are now.
-        max_batch_size: most requests in one ``generate`` call (None: no limit).
+        max_running_requests: most rows decoding at once (None: no limit); further requests queue and
+            join as rows finish. Bounds the KV cache.
     """
 
     def __init__(
@@ -86,31 +85,40 @@ class HFEngine(InferenceEngine):
         model: torch.nn.Module,
         tokenizer: PreTrainedTokenizerBase,
         device: torch.device | str | None = None,
-        max_batch_size: int | None = None,
+        max_running_requests: int | None = None,
     ) -> None:
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos_token_id; generation could never stop with 'stop'")
-        if max_batch_size is not None and max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
+        if max_running_requests is not None and max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1 or None, got {max_running_requests}")
         self._device = torch.device(device) if device is not None else next(model.parameters()).device
         self._model = model.to(self._device).eval()
         self._tokenizer = tokenizer
         self._eos_id: int = tokenizer.eos_token_id
         self._pad_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self._eos_id
-        self._max_batch_size = max_batch_size
-        # torch's CPU thread count is per calling thread: generation in the serving thread or in another
-        # thread of a threaded actor must use the count the constructing thread was given, not one.
+        self._capacity = max_running_requests
+        # torch's CPU thread count is per calling thread: the serving thread must use the count the
+        # constructing thread was given, not one.
         self._num_threads = torch.get_num_threads()
         # Lock order: _model_lock before _state_lock, never the reverse. _model_lock is held for every
-        # use of the model (generation, weight copies, device moves) so weights never change mid-batch;
-        # _state_lock guards the request book-keeping and is only held briefly.
-        self._model_lock = threading.Lock()
+        # use of the model (one decode step, weight copies, device moves), so weights change only
+        # between steps; _state_lock guards the request book-keeping and is only held briefly.
+        self._model_lock = threading.RLock()  # re-entered by load_weights inside weight_update
         self._state_lock = threading.Lock()
         self._wakeup = threading.Condition(self._state_lock)
         self._entries: dict[str, _Entry] = {}
         self._queue: list[_Entry] = []
         self._released = False
         self._closed = False
+        self._model_waiters = 0  # callers waiting for the model lock; the decode loop yields to them
+        self._weights_version = -1
+        self._batch_ids = itertools.count()
+        # The decode batch, owned by the serving thread: rows in cache order, their cache, attention
+        # mask [rows, columns] and the last sampled token of each row (the next step's input).
+        self._rows: list[_Row] = []
+        self._cache = SlotCache()
+        self._mask = torch.zeros((0, 0), dtype=torch.long, device=self._device)
+        self._last_tokens = torch.zeros(0, dtype=torch.long, device=self._device)
         self._thread = threading.Thread(target=self._serve, name="hf-inference-engine", daemon=True)
         self._thread.start()
 
@@ -120,16 +128,7 @@ class HFEngine(InferenceEngine):
         """Queue ``request``; see ``InferenceEngine.submit``."""
         if not isinstance(request, GenerateRequest):
             raise TypeError(f"submit takes a GenerateRequest, got {type(request).__name__}")
-        with self._state_lock:
-            self._check_serving()
-            if request.request_id in self._entries:
-                raise ValueError(
-                    f"request id {request.request_id!r} is already in use (unfinished or not yet awaited)"
-                )
-            entry = _Entry(request)
-            self._entries[request.request_id] = entry
-            self._queue.append(entry)
-            self._wakeup.notify()
+        self._enqueue([request])
 
     def await_result(self, request_id: str, timeout_s: float | None) -> GenerateResult:
         """Wait for ``request_id``'s result and hand it over; see ``InferenceEngine.await_result``."""
@@ -148,14 +147,14 @@ class HFEngine(InferenceEngine):
         return entry.result
 
     def abort(self, request_id: str) -> bool:
-        """Abort ``request_id``; see ``InferenceEngine.abort``. A running request that reaches EOS or
-        ``max_new_tokens`` at the same step keeps that finish reason."""
+        """Abort ``request_id``; see ``InferenceEngine.abort``. A running request keeps the token of the
+        step in progress; one that reaches EOS or ``max_new_tokens`` at that step keeps that ending."""
         with self._state_lock:
             entry = self._entries.get(request_id)
             if entry is None or entry.done.is_set():
                 return False
             if entry.running:
-                entry.abort_requested = True  # read by _AbortCriterion at the next token
+                entry.abort_requested = True  # read by the serving thread after the step in progress
             else:
                 self._queue.remove(entry)
                 self._finish(entry, result=GenerateResult(request_id, [], [], "abort"))
@@ -164,17 +163,28 @@ class HFEngine(InferenceEngine):
     # ----- batch generation, weights, memory -------------------------------------------------------
 
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
-        """Sample one response per row; exactly ``roll.strategies.hf_generate.generate``."""
-        with self._model_lock:
-            with self._state_lock:
-                self._check_serving()
-            torch.set_num_threads(self._num_threads)
-            return hf_generate.generate(
-                self._model, batch, params, self._eos_id, self._pad_id, self._tokenizer
-            )
+        """Sample one response per row of ``batch``; the contract of ``roll.strategies.hf_generate``."""
+        prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"].bool()
+        tag = f"{_BATCH_ID_PREFIX}{next(self._batch_ids)}-"
+        requests = [
+            GenerateRequest(f"{tag}{row}", prompt_ids[row][prompt_mask[row]].tolist(), params)
+            for row in range(prompt_ids.shape[0])
+        ]
+        self._enqueue(requests)
+        results = []
+        try:
+            for request in requests:
+                results.append(self.await_result(request.request_id, None))
+        except BaseException:
+            for request in requests[len(results) :]:  # leave no orphaned rows behind a failed batch
+                self.abort(request.request_id)
+            raise
+        return self._as_batch(results, params.max_new_tokens)
 
-    def load_weights(self, named_tensors: NamedTensors) -> None:
-        """Copy tensors into the model's parameters and buffers by name (dtype and device converted).
+    def load_weights(self, named_tensors: NamedTensors, version: int | None = None) -> None:
+        """Copy tensors into the model's parameters and buffers by name (dtype and device converted),
+        between two decode steps. Rows in flight go on with the new weights; ``version`` (when given)
+        is recorded with every token sampled from then on.
 
         Names that are not given keep their values, so weights may arrive in buckets over several calls
         and tied weights may be left out. A Mapping is checked as a whole before anything is copied; an
@@ -183,19 +193,28 @@ class HFEngine(InferenceEngine):
         Raises:
             ValueError: unknown names or mismatched shapes, all listed.
         """
-        with self._model_lock:
+        with self._between_steps():
             targets: dict[str, torch.Tensor] = dict(self._model.named_parameters(remove_duplicate=False))
             targets.update(self._model.named_buffers(remove_duplicate=False))
             if isinstance(named_tensors, Mapping):
                 _copy_by_name(targets, named_tensors.items(), check_only=True)
                 named_tensors = named_tensors.items()
             _copy_by_name(targets, named_tensors, check_only=False)
+            if version is not None:
+                self._weights_version = version
+
+    @contextlib.contextmanager
+    def weight_update(self, version: int) -> Iterator[None]:
+        """Hold the model between two decode steps while buckets are loaded; see the base class."""
+        with self._between_steps():
+            yield
+            self._weights_version = version
 
     def release_memory(self) -> dict[str, float]:
-        """Move the weights to CPU after the running batch (0 bytes when the engine already runs on CPU);
-        HF keeps no cache between ``generate`` calls, so the weights are all there is to free."""
+        """Move the weights to CPU after the step in progress (0 bytes when the engine runs on CPU).
+        Rows in flight pause and keep their KV cache; release between stages, when none are running."""
         start = time.perf_counter()
-        with self._model_lock:
+        with self._between_steps():
             with self._state_lock:
                 already = self._released
                 self._released = True
@@ -209,7 +228,7 @@ class HFEngine(InferenceEngine):
     def reacquire_memory(self) -> dict[str, float]:
         """Move the weights back to the engine's device and resume queued requests."""
         start = time.perf_counter()
-        with self._model_lock:
+        with self._between_steps():
             with self._state_lock:
                 was_released = self._released
             moved = 0
@@ -235,86 +254,187 @@ class HFEngine(InferenceEngine):
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
-    # ----- the background thread -------------------------------------------------------------------
+    # ----- the serving thread ----------------------------------------------------------------------
 
     def _serve(self) -> None:
-        """Run queued requests batch by batch until shutdown."""
+        """Admit, step and retire rows until shutdown."""
         torch.set_num_threads(self._num_threads)
         while True:
             with self._wakeup:
-                while not self._closed and (self._released or not self._queue):
+                while self._nothing_to_do():
                     self._wakeup.wait()
-                if self._closed:
-                    return
             with self._model_lock:
-                # Taken under the model lock: a release that slipped in since the wait is seen here.
+                # Admission happens under the model lock: a release that slipped in is seen here.
                 with self._state_lock:
-                    entries = [] if self._released else self._take_batch()
-                if entries:
-                    self._run(entries)
+                    if self._released and not self._closed:
+                        continue
+                    admitted = self._admit()
+                if not admitted and not self._rows:
+                    if self._closed:
+                        return
+                    continue
+                try:
+                    self._step(admitted)
+                except Exception as error:  # noqa: BLE001 - handed to every awaiting caller
+                    self._fail_all(admitted, error)
 
-    def _take_batch(self) -> list[_Entry]:
-        """Dequeue the oldest request and the queued ones sharing its params (caller holds the lock)."""
-        params = self._queue[0].request.params
-        chosen = [entry for entry in self._queue if entry.request.params == params]
-        chosen = chosen[: self._max_batch_size]
-        taken = {id(entry) for entry in chosen}
-        self._queue = [entry for entry in self._queue if id(entry) not in taken]
-        for entry in chosen:
-            entry.running = True
-        return chosen
-
-    def _run(self, entries: list[_Entry]) -> None:
-        """Generate for ``entries`` and publish each result (or the error, so no caller waits forever)."""
+    @contextlib.contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        """Hold the model between two decode steps. The loop would otherwise take the lock straight
+        back after each step (locks are not fair) and a weight update could wait for a whole batch."""
+        with self._state_lock:
+            self._model_waiters += 1
         try:
-            results = self._generate_requests(entries)
-        except Exception as error:  # noqa: BLE001 - handed to every awaiting caller
+            with self._model_lock:
+                yield
+        finally:
             with self._state_lock:
-                for entry in entries:
-                    self._finish(entry, error=error)
+                self._model_waiters -= 1
+                self._wakeup.notify_all()
+
+    def _nothing_to_do(self) -> bool:
+        """No request to serve, memory released, or someone waiting for the model (caller holds the
+        state lock)."""
+        if self._model_waiters:
+            return True
+        if self._closed:
+            return False
+        return self._released or not (self._queue or self._rows)
+
+    def _admit(self) -> list[_Entry]:
+        """Take queued requests up to the free slots (caller holds the state lock)."""
+        free = len(self._queue) if self._capacity is None else max(self._capacity - len(self._rows), 0)
+        admitted, self._queue = self._queue[:free], self._queue[free:]
+        for entry in admitted:
+            entry.running = True
+        return admitted
+
+    @torch.no_grad()  # grad mode is per thread; not inference_mode: weights are copied in place later
+    def _step(self, admitted: list[_Entry]) -> None:
+        """One decode step for the running rows, then the prefill of the admitted ones, then retire the
+        rows that ended."""
+        if self._rows:
+            self._decode()
+        if admitted:
+            self._prefill(admitted)
+        self._retire()
+
+    def _decode(self) -> None:
+        self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=1)
+        positions = torch.tensor([[row.next_position] for row in self._rows], device=self._device)
+        for row in self._rows:
+            row.next_position += 1
+        logits = self._model(
+            input_ids=self._last_tokens.unsqueeze(1),
+            attention_mask=self._mask,
+            position_ids=positions,
+            past_key_values=self._cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        self._last_tokens = self._sample(logits, self._rows)
+
+    def _prefill(self, admitted: list[_Entry]) -> None:
+        ids, mask = left_pad([entry.request.prompt_ids for entry in admitted], self._pad_id)
+        ids, mask = ids.to(self._device), mask.to(self._device)
+        cache = SlotCache()
+        logits = self._model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        rows = [_Row(entry, next_position=len(entry.request.prompt_ids)) for entry in admitted]
+        tokens = self._sample(logits, rows)
+        if self._rows:
+            self._cache.append_rows(cache)
+            width = max(self._mask.shape[1], mask.shape[1])
+            self._mask = torch.cat([_left_pad_columns(self._mask, width), _left_pad_columns(mask, width)])
+            self._last_tokens = torch.cat([self._last_tokens, tokens])
+        else:
+            self._cache, self._mask, self._last_tokens = cache, mask, tokens
+        self._rows.extend(rows)
+
+    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """Sample each row's next token with its request's params; record token, logprob and version."""
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        logprobs = torch.empty(len(rows), dtype=torch.float32, device=logits.device)
+        groups: dict[SamplingParams, list[int]] = {}
+        for index, row in enumerate(rows):
+            groups.setdefault(row.entry.request.params, []).append(index)
+        for params, indices in groups.items():
+            if len(indices) == len(rows):
+                tokens, logprobs = sample_tokens(logits, params)
+            else:
+                where = torch.tensor(indices, device=logits.device)
+                tokens[where], logprobs[where] = sample_tokens(logits[where], params)
+        for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist()):
+            row.tokens.append(token)
+            row.logprobs.append(logprob)
+            row.versions.append(self._weights_version)
+        return tokens
+
+    def _retire(self) -> None:
+        """Publish the rows that ended at this step and drop them from the batch."""
+        keep: list[int] = []
+        with self._state_lock:
+            for index, row in enumerate(self._rows):
+                reason = self._finish_reason(row, row.entry.abort_requested)
+                if reason is None:
+                    keep.append(index)
+                    continue
+                request_id = row.entry.request.request_id
+                result = GenerateResult(request_id, row.tokens, row.logprobs, reason, row.versions)
+                self._finish(row.entry, result=result)
+        if len(keep) == len(self._rows):
             return
-        with self._state_lock:
-            for entry, result in zip(entries, results):
-                self._finish(entry, result=result)
+        self._rows = [self._rows[i] for i in keep]
+        if not self._rows:
+            self._reset_batch()
+            return
+        rows = torch.tensor(keep, device=self._device)
+        mask = self._mask[rows]
+        first = int((mask.sum(dim=0) > 0).nonzero()[0])  # left-padding columns no kept row needs
+        self._cache.keep(rows, first)
+        self._mask, self._last_tokens = mask[:, first:], self._last_tokens[rows]
 
-    def _generate_requests(self, entries: list[_Entry]) -> list[GenerateResult]:
-        requests = [entry.request for entry in entries]
-        prompt_ids, prompt_mask = left_pad([r.prompt_ids for r in requests], self._pad_id)
-        criterion = _AbortCriterion(len(entries), prompt_ids.shape[1], lambda: self._abort_flags(entries))
-        out = hf_generate.generate(
-            self._model,
-            Batch(tensors={"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}),
-            requests[0].params,
-            self._eos_id,
-            self._pad_id,
-            stopping_criteria=StoppingCriteriaList([criterion]),
-        )
-        lengths = out["response_mask"].sum(dim=1).tolist()
-        max_new_tokens = requests[0].params.max_new_tokens
-        results = []
-        for row, request in enumerate(requests):
-            length, reason = int(lengths[row]), out["finish_reason"][row]
-            # Where the row would have ended anyway. "length" is not read from the mask: once every row
-            # is stopped generate returns early, and a row cut by abort then looks like a full one.
-            natural_end = length if reason == "stop" else max_new_tokens
-            cut = criterion.stopped_at[row]
-            # An abort counts only when it cut the response short; a row that reached EOS or
-            # max_new_tokens first keeps its natural ending.
-            if cut is not None and cut < natural_end:
-                length, reason = cut, "abort"
-            results.append(
-                GenerateResult(
-                    request_id=request.request_id,
-                    token_ids=out["response_ids"][row, :length].tolist(),
-                    logprobs=out["rollout_logprobs"][row, :length].tolist(),
-                    finish_reason=reason,
-                )
-            )
-        return results
+    def _finish_reason(self, row: _Row, abort: bool) -> str | None:
+        if row.tokens[-1] == self._eos_id:
+            return "stop"
+        if len(row.tokens) >= row.entry.request.params.max_new_tokens:
+            return "length"
+        return "abort" if abort else None
 
-    def _abort_flags(self, entries: list[_Entry]) -> list[bool]:
+    def _fail_all(self, admitted: list[_Entry], error: Exception) -> None:
+        """A failed step fails every row in it (the batch's cache is no longer consistent)."""
+        running = {id(row.entry) for row in self._rows}
+        entries = [row.entry for row in self._rows] + [e for e in admitted if id(e) not in running]
         with self._state_lock:
-            return [entry.abort_requested for entry in entries]
+            for entry in entries:
+                self._finish(entry, error=error)
+        self._reset_batch()
+
+    def _reset_batch(self) -> None:
+        self._rows = []
+        self._cache = SlotCache()
+        self._mask = self._mask.new_zeros((0, 0))
+        self._last_tokens = self._last_tokens.new_zeros(0)
+
+    def _enqueue(self, requests: list[GenerateRequest]) -> None:
+        """Queue ``requests`` together, so that they are admitted at the same step when slots allow."""
+        with self._state_lock:
+            self._check_serving()
+            ids = [request.request_id for request in requests]
+            taken = [i for i in ids if i in self._entries] or [i for i in set(ids) if ids.count(i) > 1]
+            if taken:
+                raise ValueError(f"request id {taken[0]!r} is already in use (unfinished or not yet awaited)")
+            for request in requests:
+                entry = _Entry(request)
+                self._entries[request.request_id] = entry
+                self._queue.append(entry)
+            self._wakeup.notify()
 
     def _finish(
         self, entry: _Entry, result: GenerateResult | None = None, error: Exception | None = None
@@ -331,6 +451,29 @@ class HFEngine(InferenceEngine):
             raise RuntimeError(
                 "the inference engine's memory is released (release_memory); call reacquire_memory first"
             )
+
+    def _as_batch(self, results: list[GenerateResult], max_new_tokens: int) -> Batch:
+        """Right-pad the results into ``generate``'s output tensors (one tensor build each)."""
+        lengths = [len(result.token_ids) for result in results]
+        padding = [max_new_tokens - length for length in lengths]
+        response_ids = torch.tensor(
+            [r.token_ids + [self._pad_id] * pad for r, pad in zip(results, padding)], dtype=torch.long
+        ).view(len(results), max_new_tokens)
+        mask = (torch.arange(max_new_tokens) < torch.tensor(lengths).unsqueeze(1)).long()
+        logprobs = torch.tensor(
+            [r.logprobs + [0.0] * pad for r, pad in zip(results, padding)], dtype=torch.float32
+        ).view(len(results), max_new_tokens)
+        out = Batch(
+            tensors={"response_ids": response_ids, "response_mask": mask, "rollout_logprobs": logprobs},
+            non_tensors={"finish_reason": [result.finish_reason for result in results]},
+        )
+        out["response_text"] = self._tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+        return out
+
+
+def _left_pad_columns(mask: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - mask.shape[1]
+    return torch.nn.functional.pad(mask, (missing, 0)) if missing else mask
 
 
 def _copy_by_name(

@@ -1,0 +1,140 @@
+"""Generation speed of the candidate engines, side by side in one run, on the RLVR workloads.
+
+- ``hf_generate``: Hugging Face ``generate`` (``roll.strategies.hf_generate``), the reference.
+- ``engine``: ``HFEngine``, ROLL's continuous-batching decode loop (what rollout workers run).
+- ``transformers_cb``: transformers' own continuous batching (``model.generate_batch`` with
+  ``return_logprobs``, a paged cache sized to the workload), the alternative issue 16 asked to measure.
+
+    python benchmarks/generation.py                    # --workloads quickstart,25m --repeats 5
+
+Each workload samples (temperature 1) from a random tiny Qwen2 with the quickstart's character
+tokenizer; the time is the median of ``--repeats`` calls after one warm-up. Ratios are to hf_generate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from roll.config.common import TinyModelConfig
+from roll.data.batch import Batch
+from roll.data.padding import left_pad
+from roll.models.loading import load_causal_lm, load_tokenizer
+from roll.models.tiny import save_tiny_model
+from roll.strategies import hf_generate
+from roll.strategies.infer.hf import HFEngine
+from roll.strategies.sampling import SamplingParams
+
+WORKLOADS = {
+    # name: (model sizes, prompts, max_new_tokens)
+    "quickstart": (
+        dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512),
+        64,
+        4,
+    ),
+    "25m": (
+        dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, intermediate_size=2048),
+        32,
+        128,
+    ),
+}
+
+
+def _timed(fn, repeats: int) -> tuple[float, object]:
+    fn()  # warm-up
+    times, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def run(name: str, repeats: int, directory: Path) -> None:
+    sizes, rows, new_tokens = WORKLOADS[name]
+    cfg = TinyModelConfig(alphabet="0123456789+", num_key_value_heads=2, max_position_embeddings=160, **sizes)
+    path = str(save_tiny_model(cfg, directory / name))
+    model, tokenizer = load_causal_lm(path), load_tokenizer(path)
+    texts = [f"{a}+{b}" for a, b in zip(range(10, 10 + rows), range(37, 37 + rows))]
+    ids, mask = left_pad([tokenizer.encode(t) for t in texts], tokenizer.pad_token_id)
+    batch = Batch(tensors={"prompt_ids": ids, "prompt_mask": mask})
+    params = SamplingParams(max_new_tokens=new_tokens)
+    results: dict[str, tuple[float, float]] = {}  # path -> (seconds, mean response length)
+
+    def length(out: Batch) -> float:
+        return float(out["response_mask"].sum(dim=1).float().mean())
+
+    seconds, out = _timed(
+        lambda: hf_generate.generate(model, batch, params, tokenizer.eos_token_id, tokenizer.pad_token_id),
+        repeats,
+    )
+    results["hf_generate"] = (seconds, length(out))
+    engine = HFEngine(model, tokenizer, "cpu")
+    try:
+        seconds, out = _timed(lambda: engine.generate(batch, params), repeats)
+        results["engine"] = (seconds, length(out))
+    finally:
+        engine.shutdown()
+    try:
+        results["transformers_cb"] = _transformers_cb(model, tokenizer, texts, new_tokens, repeats)
+    except Exception as error:  # noqa: BLE001 - reported in the table instead
+        print(f"  transformers_cb failed: {type(error).__name__}: {error}")
+
+    params_m = sum(p.numel() for p in model.parameters()) / 1e6
+    print(f"\n{name}: {params_m:.1f}M params, {rows} prompts, max_new_tokens {new_tokens}")
+    print(f"  {'path':<16} {'median s':>9} {'mean len':>9} {'ms/token-row':>13} {'ratio':>6}")
+    base = results["hf_generate"][0]
+    for path, (seconds, mean_len) in results.items():
+        per_token = 1000 * seconds / max(mean_len, 1e-9)
+        print(f"  {path:<16} {seconds:>9.3f} {mean_len:>9.1f} {per_token:>13.2f} {seconds / base:>6.2f}")
+
+
+def _transformers_cb(model, tokenizer, texts, new_tokens: int, repeats: int) -> tuple[float, float]:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    inputs = [tokenizer.encode(t) for t in texts]
+    generation = GenerationConfig(
+        max_new_tokens=new_tokens,
+        do_sample=True,
+        top_k=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    # A cache just large enough for the workload (the default reserves GBs for a tiny model).
+    blocks = len(inputs) * ((max(map(len, inputs)) + new_tokens) // 32 + 2)
+    cb = ContinuousBatchingConfig(return_logprobs=True, num_blocks=blocks, block_size=32)
+
+    def call():
+        return model.generate_batch(
+            inputs, generation_config=generation, continuous_batching_config=cb, warmup=False
+        )
+
+    seconds, out = _timed(call, repeats)
+    lengths = [len(o.generated_tokens) for o in out.values()]
+    if any(not getattr(o, "logprobs", None) for o in out.values()):
+        print("  transformers_cb returned no logprobs")
+    return seconds, sum(lengths) / len(lengths)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workloads", default="quickstart,25m")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.workloads.split(","):
+            run(name, args.repeats, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""What each worker of an RLVR run receives, built from the config in one place.
+
+A worker spec field takes the config section's field of the same name (``from_section``): an option
+reaches its worker by being declared in both, with no copying code to forget (``actor.
+micro_batch_tokens`` was once validated, documented and never passed on). What the pipeline computes
+(the model to load, the length of the LR schedule, timeouts) is passed explicitly. The pipeline reads
+everything it hands to workers from ``RLVRWorkerPlan``, and a test changes every ``actor``, ``critic``
+and ``rollout`` option in turn and checks that the plan changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from roll.config.devices import role_plan
+from roll.config.rlvr import RLVRConfig
+from roll.distributed.device_mapping import RoleDevices
+from roll.strategies.sampling import SamplingParams
+from roll.workers.actor import ActorSpec, OptimizerSpec
+from roll.workers.base import ModelSpec
+from roll.workers.critic import CriticSpec
+from roll.workers.rollout import RolloutSpec
+
+__all__ = ["RLVRWorkerPlan", "from_section", "plan_workers", "updates_per_step"]
+
+SpecT = TypeVar("SpecT")
+
+
+def from_section(spec_cls: type[SpecT], section: Any, **computed: Any) -> SpecT:
+    """``spec_cls`` with each field taken from ``section``'s field of the same name, unless given in
+    ``computed``; fields neither has keep their defaults."""
+    names = [f.name for f in dataclasses.fields(spec_cls)]  # type: ignore[arg-type]
+    copied = {
+        name: getattr(section, name) for name in names if name not in computed and hasattr(section, name)
+    }
+    return spec_cls(**copied, **computed)
+
+
+def updates_per_step(section: Any, samples: int) -> int:
+    """Optimizer steps an ``actor``/``critic`` section makes on one rollout batch of ``samples``."""
+    return section.ppo_epochs * (samples // (section.mini_batch_size or samples))
+
+
+@dataclass(frozen=True)
+class RLVRWorkerPlan:
+    """Everything an RLVR run gives its workers, derived from the config alone."""
+
+    actor: ActorSpec
+    critic: CriticSpec | None
+    rollout: RolloutSpec
+    sampling: SamplingParams
+    eval_sampling: SamplingParams
+    prompts_per_step: int
+    samples_per_prompt: int
+    weight_bucket_bytes: int
+    hybrid_engine: bool  # the actor generates (no rollout workers, no weight sync)
+    roles: tuple[RoleDevices, ...]  # devices and world size of each device-holding role
+
+
+def plan_workers(cfg: RLVRConfig, model_path: str) -> RLVRWorkerPlan:
+    """The plan for a run whose initial policy is at ``model_path`` (after any warm start)."""
+    rollout = cfg.rollout
+    model = ModelSpec(path=model_path, dtype=cfg.model.dtype, seed=cfg.seed)
+    samples = rollout.rollout_batch_size * rollout.num_return_sequences
+    timeout = cfg.ray.call_timeout_s
+
+    def trainer_fields(section: Any) -> dict[str, Any]:
+        # The LR schedule spans every optimizer step of the run.
+        total = cfg.steps * updates_per_step(section, samples)
+        return {
+            "optimizer": OptimizerSpec.from_config(section, total_steps=total),
+            "collective_timeout_s": timeout,
+        }
+
+    actor = from_section(
+        ActorSpec,
+        cfg.actor,
+        model=model,
+        algorithm=cfg.algorithm,
+        temperature=rollout.temperature,
+        **trainer_fields(cfg.actor),
+    )
+    critic = None
+    if cfg.critic is not None:
+        critic_model = dataclasses.replace(model, path=cfg.critic.model_path or model.path)
+        critic = from_section(CriticSpec, cfg.critic, model=critic_model, **trainer_fields(cfg.critic))
+    sampling = from_section(SamplingParams, rollout)
+    return RLVRWorkerPlan(
+        actor=actor,
+        critic=critic,
+        rollout=from_section(RolloutSpec, rollout, model=model),
+        sampling=sampling,
+        eval_sampling=sampling.as_greedy(cfg.eval.max_new_tokens),
+        prompts_per_step=rollout.rollout_batch_size,
+        samples_per_prompt=rollout.num_return_sequences,
+        weight_bucket_bytes=rollout.weight_bucket_mb << 20,
+        hybrid_engine=rollout.hybrid_engine,
+        roles=tuple(
+            role for role in role_plan(cfg) if not (rollout.hybrid_engine and role.role == "rollout")
+        ),
+    )
