@@ -86,3 +86,32 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
         max_position_embeddings=32,
     )
     return str(save_tiny_model(cfg, tmp_path_factory.mktemp("models") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path: str):
+    """The tiny model's tokenizer, loaded through the real loading code."""
+    from roll.models.loading import load_tokenizer
+
+    return load_tokenizer(tiny_model_path)
+
+
+@pytest.fixture
+def model(tiny_model_path: str):
+    """A fresh copy of the tiny model per test (engines move it and tests hook its forward)."""
+    from roll.models.loading import load_causal_lm
+
+    return load_causal_lm(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def other_model_path(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: str) -> str:
+    """The tiny model's architecture with different random weights."""
+    import json
+
+    from roll.config.common import TinyModelConfig
+    from roll.models.tiny import TINY_CONFIG_FILE, save_tiny_model
+
+    fields = json.loads((Path(tiny_model_path) / TINY_CONFIG_FILE).read_text())
+    cfg = TinyModelConfig(**{**fields, "seed": fields["seed"] + 1})
+    return str(save_tiny_model(cfg, tmp_path_factory.mktemp("models") / "other"))

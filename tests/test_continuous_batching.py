@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from test_inference_engine import WAIT_S, ForwardGate, as_batch, row_result
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from roll.data.batch import Batch
-from roll.models.loading import load_causal_lm, load_tokenizer
+from roll.models.loading import load_causal_lm
 from roll.strategies import hf_generate
 from roll.strategies.hf_forward import response_logprobs
 from roll.strategies.infer import GenerateRequest
@@ -24,16 +23,6 @@ from roll.strategies.infer.hf import HFEngine
 from roll.strategies.sampling import SamplingParams, sample_tokens
 
 GREEDY = SamplingParams(max_new_tokens=8, greedy=True)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path: str):
-    return load_tokenizer(tiny_model_path)
-
-
-@pytest.fixture
-def model(tiny_model_path: str) -> torch.nn.Module:
-    return load_causal_lm(tiny_model_path)
 
 
 @pytest.fixture(scope="module")
@@ -228,16 +217,6 @@ def test_sampler_truncation_matches_transformers_warpers() -> None:
     greedy_tokens, greedy_logprobs = sample_tokens(logits, SamplingParams(greedy=True, temperature=0.5))
     assert torch.equal(greedy_tokens, logits.argmax(dim=-1))
     assert torch.allclose(greedy_logprobs, torch.log_softmax(logits, -1).max(dim=-1).values)
-
-
-@pytest.fixture(scope="module")
-def other_model_path(tmp_path_factory, tiny_model_path: str) -> str:
-    from roll.config.common import TinyModelConfig
-    from roll.models.tiny import TINY_CONFIG_FILE, save_tiny_model
-
-    fields = json.loads((Path(tiny_model_path) / TINY_CONFIG_FILE).read_text())
-    cfg = TinyModelConfig(**{**fields, "seed": fields["seed"] + 1})
-    return str(save_tiny_model(cfg, tmp_path_factory.mktemp("models") / "other"))
 
 
 # ----- bounded memory with a real vocabulary ---------------------------------------------------------

@@ -13,7 +13,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from roll.data.batch import Batch
 from roll.data.padding import left_pad
 from roll.distributed.load_balancer import LoadBalancer
-from roll.models.loading import load_causal_lm, load_tokenizer
+from roll.models.loading import load_causal_lm
 from roll.strategies import hf_generate
 from roll.strategies.infer import INFERENCE_ENGINES, GenerateRequest, GenerateResult
 from roll.strategies.infer.hf import HFEngine
@@ -21,16 +21,6 @@ from roll.strategies.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=8, greedy=True)
 WAIT_S = 10.0  # generous: only reached when something is broken, and then the test fails instead of hanging
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path: str):
-    return load_tokenizer(tiny_model_path)
-
-
-@pytest.fixture
-def model(tiny_model_path: str) -> torch.nn.Module:
-    return load_causal_lm(tiny_model_path)
 
 
 @pytest.fixture
@@ -331,20 +321,6 @@ def test_shutdown_aborts_queued_requests_and_refuses_new_ones(engine, model, pro
 
 
 # ----- weights ----------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def other_model_path(tmp_path_factory, tiny_model_path: str) -> str:
-    """The test model's architecture with different random weights."""
-    import json
-    from pathlib import Path
-
-    from roll.config.common import TinyModelConfig
-    from roll.models.tiny import TINY_CONFIG_FILE, save_tiny_model
-
-    fields = json.loads((Path(tiny_model_path) / TINY_CONFIG_FILE).read_text())
-    cfg = TinyModelConfig(**{**fields, "seed": fields["seed"] + 1})
-    return str(save_tiny_model(cfg, tmp_path_factory.mktemp("models") / "other"))
 
 
 def test_load_weights_switches_outputs_to_the_other_model(

@@ -413,7 +413,8 @@ class HFEngine(InferenceEngine):
         entries = [row.entry for row in self._rows] + [e for e in admitted if id(e) not in running]
         with self._state_lock:
             for entry in entries:
-                self._finish(entry, error=error)
+                if not entry.done.is_set():  # a row published before the failure keeps its result
+                    self._finish(entry, error=error)
         self._reset_batch()
 
     def _reset_batch(self) -> None:
