@@ -14,7 +14,7 @@ import torch
 
 from roll.algorithms.functional import masked_mean
 from roll.algorithms.kl import adaptive_kl_coef
-from roll.config.devices import resolve_world_sizes, role_plan
+from roll.config.devices import resolve_world_sizes
 from roll.config.loader import ConfigError
 from roll.config.rlvr import RLVRConfig
 from roll.config.sft import SFTConfig
@@ -46,7 +46,7 @@ from roll.pipelines.credit import (
     shaping_enabled,
 )
 from roll.pipelines.preflight import RunInputs, preflight
-from roll.pipelines.worker_specs import plan_workers, updates_per_step
+from roll.pipelines.worker_specs import device_roles, plan_workers, updates_per_step
 from roll.tracking import Tracker
 from roll.utils.signals import set_activity
 from roll.workers.actor import ActorWorker
@@ -189,9 +189,7 @@ class RLVRPipeline:
         cluster's devices pins every rank to its devices. Impossible mappings fail here, before any model
         loads."""
         cfg = self.config
-        self.roles = {role.role: role for role in role_plan(cfg)}
-        if cfg.rollout.hybrid_engine:
-            del self.roles["rollout"]
+        self.roles = {role.role: role for role in device_roles(cfg)}
         if cfg.algorithm.kl_coef > 0:  # the reference model lives on the actor's devices
             self.roles["reference"] = dataclasses.replace(self.roles["actor"], role="reference")
         if not any(role.device_mapping is not None for role in self.roles.values()):

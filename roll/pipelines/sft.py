@@ -51,7 +51,7 @@ class SFTPipeline:
             ActorSpec,
             train,
             model=ModelSpec(path=self.model_path, dtype=config.model.dtype, seed=config.seed),
-            optimizer=OptimizerSpec.from_config(train, total_steps=train.steps),
+            optimizer=from_section(OptimizerSpec, train, total_steps=train.steps),
             collective_timeout_s=config.ray.call_timeout_s,
         )
         set_activity(f"starting the {name} worker")

@@ -23,7 +23,7 @@ from roll.workers.base import ModelSpec
 from roll.workers.critic import CriticSpec
 from roll.workers.rollout import RolloutSpec
 
-__all__ = ["RLVRWorkerPlan", "from_section", "plan_workers", "updates_per_step"]
+__all__ = ["RLVRWorkerPlan", "device_roles", "from_section", "plan_workers", "updates_per_step"]
 
 SpecT = TypeVar("SpecT")
 
@@ -36,6 +36,11 @@ def from_section(spec_cls: type[SpecT], section: Any, **computed: Any) -> SpecT:
         name: getattr(section, name) for name in names if name not in computed and hasattr(section, name)
     }
     return spec_cls(**copied, **computed)
+
+
+def device_roles(cfg: RLVRConfig) -> list[RoleDevices]:
+    """The device-holding roles that start workers: no rollout role with ``rollout.hybrid_engine``."""
+    return [role for role in role_plan(cfg) if not (cfg.rollout.hybrid_engine and role.role == "rollout")]
 
 
 def updates_per_step(section: Any, samples: int) -> int:
@@ -70,7 +75,7 @@ def plan_workers(cfg: RLVRConfig, model_path: str) -> RLVRWorkerPlan:
         # The LR schedule spans every optimizer step of the run.
         total = cfg.steps * updates_per_step(section, samples)
         return {
-            "optimizer": OptimizerSpec.from_config(section, total_steps=total),
+            "optimizer": from_section(OptimizerSpec, section, total_steps=total),
             "collective_timeout_s": timeout,
         }
 
@@ -97,7 +102,5 @@ def plan_workers(cfg: RLVRConfig, model_path: str) -> RLVRWorkerPlan:
         samples_per_prompt=rollout.num_return_sequences,
         weight_bucket_bytes=rollout.weight_bucket_mb << 20,
         hybrid_engine=rollout.hybrid_engine,
-        roles=tuple(
-            role for role in role_plan(cfg) if not (rollout.hybrid_engine and role.role == "rollout")
-        ),
+        roles=tuple(device_roles(cfg)),
     )

@@ -34,18 +34,6 @@ class OptimizerSpec:
     lr_scheduler: str = "constant"
     max_grad_norm: float = 1.0
 
-    @classmethod
-    def from_config(cls, section: Any, total_steps: int) -> OptimizerSpec:
-        """From a config section with optimizer fields (``actor``, ``critic``, ``sft_warm_start``)."""
-        return cls(
-            lr=section.lr,
-            total_steps=total_steps,
-            weight_decay=section.weight_decay,
-            warmup_steps=section.warmup_steps,
-            lr_scheduler=section.lr_scheduler,
-            max_grad_norm=section.max_grad_norm,
-        )
-
 
 @dataclass
 class TrainerSpec:
