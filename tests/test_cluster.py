@@ -16,7 +16,14 @@ import ray
 import torch
 
 from roll.data.batch import Batch
-from roll.distributed.cluster import Cluster, ClusterFuture, WorkerError, WorkerTimeoutError, wait_all
+from roll.distributed.cluster import (
+    Cluster,
+    ClusterFuture,
+    WorkerError,
+    WorkerTimeoutError,
+    wait_all,
+    wait_any,
+)
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.worker import Worker, register
 
@@ -170,6 +177,76 @@ def test_calls_on_two_clusters_run_concurrently(make_cluster):
     )
     # Overlapping intervals prove concurrency without depending on how busy the machine is.
     assert max(start_a, start_b) < min(end_a, end_b)
+
+
+# ------------------------------------------------------------------ one rank, and whichever answers first
+
+
+def test_call_rank_calls_one_rank_blocking_or_not(make_cluster):
+    cluster = make_cluster("echo", EchoWorker, world_size=3)
+    assert cluster.call_rank(1, "whoami", "hi") == {"role": "echo", "rank": 1, "world_size": 3, "tag": "hi"}
+    # Any public method, registered or not; keyword arguments reach the worker.
+    assert cluster.call_rank(2, "not_registered") is None
+    future = cluster.call_rank(2, "whoami", tag="later", blocking=False)
+    assert isinstance(future, ClusterFuture) and future.ranks == [2]
+    assert future.get() == {"role": "echo", "rank": 2, "world_size": 3, "tag": "later"}  # not a list
+    for rank in (3, -1):
+        with pytest.raises(ValueError, match=f"rank {rank} is out of range for world_size 3"):
+            cluster.call_rank(rank, "whoami", "x")
+    for method in ("no_such_method", "_private"):
+        with pytest.raises(AttributeError, match=f"EchoWorker .*{method}"):
+            cluster.call_rank(0, method)
+
+
+def test_call_rank_errors_and_timeouts_name_the_rank_called(make_cluster):
+    cluster = make_cluster("faulty", FaultyWorker)
+    assert cluster.call_rank(0, "fail_on_rank_one") == 0
+    with pytest.raises(WorkerError) as info:
+        cluster.call_rank(1, "fail_on_rank_one")
+    assert (info.value.role, info.value.rank, info.value.method) == ("faulty", 1, "fail_on_rank_one")
+    assert "faulty rank 1" in str(info.value) and "boom" in str(info.value)
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeoutError) as timeout:
+        cluster.call_rank(1, "sleep", 5, timeout_s=0.5)
+    assert time.monotonic() - start < 4
+    assert (timeout.value.rank, timeout.value.method) == (1, "sleep")
+
+
+def test_wait_any_returns_the_ready_futures_in_order_and_nothing_on_timeout(make_cluster):
+    cluster = make_cluster("echo", EchoWorker)
+    cluster.ping()  # both actors up before timing
+    slow = cluster.call_rank(0, "timed_sleep", 2.0, blocking=False)
+    quick = cluster.call_rank(1, "timed_sleep", 0.0, blocking=False)
+    start = time.monotonic()
+    assert wait_any([slow, quick], timeout_s=10) == [quick]
+    assert time.monotonic() - start < 1.5, "wait_any waited for the slow call"
+    assert len(quick.get()) == 2  # ready: get() returns that rank's (start, end) at once
+    # A call on every rank is ready only once all of them answered: rank 0 is still sleeping.
+    everyone = cluster.whoami("all", blocking=False)
+    start = time.monotonic()
+    assert wait_any([everyone, slow], timeout_s=0.3) == []
+    assert time.monotonic() - start < 1.0
+    assert wait_any([everyone, slow], timeout_s=10) == [everyone, slow]  # both ready, in the given order
+    assert [answer["rank"] for answer in everyone.get()] == [0, 1]
+    assert wait_any([], timeout_s=10) == []
+
+
+def test_wait_any_raises_for_an_overdue_call_naming_its_rank(make_cluster):
+    cluster = make_cluster("sleepy", FaultyWorker)
+    cluster.ping()
+    overdue = cluster.call_rank(1, "sleep", 5, blocking=False, timeout_s=0.5)
+    on_time = cluster.call_rank(0, "sleep", 5, blocking=False)
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeoutError) as info:
+        wait_any([on_time, overdue], timeout_s=10)
+    assert time.monotonic() - start < 4, "the overdue call was reported after its deadline plus much more"
+    assert (info.value.role, info.value.rank, info.value.method) == ("sleepy", 1, "sleep")
+    assert "sleepy rank 1" in str(info.value)
+    # A failed rank makes its future ready; get() then raises naming it.
+    failed = cluster.call_rank(1, "fail_on_rank_one", blocking=False)
+    assert wait_any([failed], timeout_s=30) == [failed]
+    with pytest.raises(WorkerError, match="sleepy rank 1 failed in fail_on_rank_one"):
+        failed.get()
 
 
 # ------------------------------------------------------------------ failures surface with role and rank

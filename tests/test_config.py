@@ -636,3 +636,90 @@ def test_hybrid_engine_loads_with_the_actors_world_size() -> None:
         QUICKSTART, ["rollout.hybrid_engine=true", "actor.world_size=2", "rollout.world_size=2"]
     )
     assert cfg.rollout.hybrid_engine and cfg.actor.world_size == 2
+
+
+# --------------------------------------------------------------------------- dynamic sampling and async
+
+
+def problem_lines(message: str) -> list[str]:
+    return [line for line in message.splitlines() if line.startswith("  - ")]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["rollout.group_filters=[truncated,equal_reward]"],
+            ["rollout.group_filters", "unknown group filter 'equal_reward'", "Did you mean 'equal_rewards'"],
+        ),
+        (
+            # reinforce_plus_plus needs no groups, so only the filter's problem remains.
+            [
+                "rollout.group_filters=[equal_rewards]",
+                "rollout.num_return_sequences=1",
+                "algorithm.advantage_estimator=reinforce_plus_plus",
+            ],
+            ["rollout.group_filters: equal_rewards", "rollout.num_return_sequences >= 2", "remove"],
+        ),
+        (
+            ["rollout.max_prompts_per_step=4"],
+            ["rollout.max_prompts_per_step (4)", "rollout.rollout_batch_size (8)", "raise it to at least 8"],
+        ),
+        (
+            ["rollout.async_generation_ratio=1", "rollout.hybrid_engine=true"],
+            ["rollout.async_generation_ratio=1", "rollout.hybrid_engine=false"],
+        ),
+        (
+            [
+                "rollout.async_generation_ratio=2",
+                "actor.device_mapping=[0,1]",
+                "rollout.device_mapping=[1]",
+                "ray.num_gpus=2",
+            ],
+            ["rollout.async_generation_ratio=2", "disjoint from the actor's", "leave both unset"],
+        ),
+    ],
+    ids=[
+        "unknown_filter",
+        "equal_rewards_group_of_one",
+        "too_few_prompts",
+        "async_hybrid",
+        "async_colocated",
+    ],
+)
+def test_dynamic_sampling_and_async_misconfigurations_are_rejected(
+    overrides: list[str], expected: list[str]
+) -> None:
+    message = load_error(overrides)
+    for fragment in expected:
+        assert fragment in message, f"{fragment!r} not in:\n{message}"
+    assert len(problem_lines(message)) == 1, message
+
+
+def test_dynamic_sampling_and_async_settings_that_work_load() -> None:
+    cfg = load_config(
+        QUICKSTART,
+        [
+            "rollout.group_filters=[equal_rewards,truncated]",
+            "rollout.max_prompts_per_step=8",
+            "rollout.max_additional_running_prompts=0",
+        ],
+    )
+    assert cfg.rollout.group_filters == ["equal_rewards", "truncated"]
+    assert cfg.rollout.max_prompts_per_step == 8
+    # Disaggregated devices, or CPU workers for both roles, can generate while the actor trains.
+    disjoint = ["actor.device_mapping=[0]", "rollout.device_mapping=[1]", "ray.num_gpus=2"]
+    cfg = load_config(QUICKSTART, ["rollout.async_generation_ratio=1", *disjoint])
+    assert cfg.rollout.async_generation_ratio == 1
+    assert load_config(QUICKSTART, ["rollout.async_generation_ratio=1"]).rollout.device_mapping is None
+
+
+def test_a_user_registered_group_filter_passes_validation(monkeypatch) -> None:
+    from roll.algorithms import GROUP_FILTERS
+
+    monkeypatch.setattr(GROUP_FILTERS, "_entries", dict(GROUP_FILTERS._entries))
+    monkeypatch.setattr(GROUP_FILTERS, "_traits", dict(GROUP_FILTERS._traits))
+    assert "some_correct" in load_error(["rollout.group_filters=[some_correct]"])
+    GROUP_FILTERS.register("some_correct")(lambda outcome: bool((outcome.scores > 0).any()))
+    cfg = load_config(QUICKSTART, ["rollout.group_filters=[some_correct]"])
+    assert cfg.rollout.group_filters == ["some_correct"]

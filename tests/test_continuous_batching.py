@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from roll.data.batch import Batch
 from roll.models.loading import load_causal_lm
 from roll.strategies import hf_generate
 from roll.strategies.hf_forward import response_logprobs
-from roll.strategies.infer import GenerateRequest
+from roll.strategies.infer import GenerateRequest, GenerateResult
 from roll.strategies.infer.hf import HFEngine
 from roll.strategies.sampling import SamplingParams, sample_tokens
 
@@ -199,6 +200,175 @@ def test_weight_versions_follow_an_update_in_flight(model, tokenizer, prompts, o
         engine.shutdown()
     # The update went in between the second and the third step, not after the whole request.
     assert result.weight_versions == [3, 3, 4, 4, 4, 4]
+
+
+# ----- a scheduler's path: groups in, whatever finished out -------------------------------------------
+
+SHORT = SamplingParams(max_new_tokens=3, greedy=True)
+
+
+def collect(engine: HFEngine, count: int) -> dict[str, GenerateResult]:
+    """``collect_finished`` until ``count`` results are in, checking none is handed over twice."""
+    results: dict[str, GenerateResult] = {}
+    deadline = time.monotonic() + WAIT_S
+    while len(results) < count and time.monotonic() < deadline:
+        for result in engine.collect_finished(WAIT_S):
+            assert result.request_id not in results, f"{result.request_id} delivered twice"
+            results[result.request_id] = result
+    assert len(results) == count, f"only {sorted(results)} finished"
+    return results
+
+
+def test_submit_many_starts_a_group_at_one_step_and_matches_batch_generate(model, tokenizer, prompts) -> None:
+    engine = HFEngine(model, tokenizer, "cpu")
+    sizes = BatchSizes(model)
+    try:
+        expected = engine.generate(as_batch(prompts[:4], tokenizer.pad_token_id), GREEDY)
+        sizes.sizes.clear()
+        engine.submit_many([GenerateRequest(f"g{i}", prompt, GREEDY) for i, prompt in enumerate(prompts[:4])])
+        results = collect(engine, 4)
+        first_forward = sizes.sizes[0]
+        # All or nothing: one id in use rejects the whole group.
+        engine.submit(GenerateRequest("busy", prompts[0], GREEDY))
+        with pytest.raises(ValueError, match="'busy'"):
+            engine.submit_many(
+                [GenerateRequest("fresh", prompts[1], GREEDY), GenerateRequest("busy", [3], GREEDY)]
+            )
+        assert not engine.abort("fresh"), "a request of the rejected group was queued"
+    finally:
+        sizes.remove()
+        engine.shutdown()
+    assert first_forward == (4, max(len(p) for p in prompts[:4])), "the group was not prefilled together"
+    for i in range(4):
+        tokens, logprobs, reason = row_result(expected, i)
+        assert (results[f"g{i}"].token_ids, results[f"g{i}"].finish_reason) == (tokens, reason)
+        assert torch.allclose(torch.tensor(results[f"g{i}"].logprobs), torch.tensor(logprobs), atol=1e-5)
+
+
+def test_collect_finished_hands_over_a_short_request_while_a_long_one_runs(model, tokenizer, prompts) -> None:
+    engine = HFEngine(model, tokenizer, "cpu")
+    gate = ForwardGate(model)
+    # Prefill and one decode step of the pair give "short" its 2 tokens; then "long" decodes alone.
+    paused, go = gate.pause(batch_size=1, call=1)
+    try:
+        long_params = SamplingParams(max_new_tokens=12, greedy=True)
+        short_params = SamplingParams(max_new_tokens=2, greedy=True)
+        engine.submit_many(
+            [
+                GenerateRequest("long", prompts[0], long_params),
+                GenerateRequest("short", prompts[1], short_params),
+            ]
+        )
+        assert paused.wait(WAIT_S)
+        first = engine.collect_finished(WAIT_S)  # returns although "long" is held mid-generation
+        start = time.monotonic()
+        assert engine.collect_finished(0.2) == []  # nothing more finished: a timeout, not a repeat
+        waited = time.monotonic() - start
+        with pytest.raises(KeyError, match="'short'"):
+            engine.await_result("short", timeout_s=0)  # handed over once, then forgotten
+        go.set()
+        second = engine.collect_finished(WAIT_S)
+        assert engine.collect_finished(0) == []
+    finally:
+        go.set()
+        gate.remove()
+        engine.shutdown()
+    assert [(r.request_id, r.finish_reason, len(r.token_ids)) for r in first] == [("short", "length", 2)]
+    assert 0.2 <= waited < 2.0
+    assert [(r.request_id, r.finish_reason, len(r.token_ids)) for r in second] == [("long", "length", 12)]
+    assert second[0].token_ids == alone(model, tokenizer, prompts[0], long_params)[0]
+
+
+def test_collect_finished_delivers_aborted_requests_and_skips_awaited_ones(model, tokenizer, prompts) -> None:
+    engine = HFEngine(model, tokenizer, "cpu", max_running_requests=1)
+    gate = ForwardGate(model)
+    paused, go = gate.pause(batch_size=1, call=2)  # the first decode step of "running"; "queued" waits
+    try:
+        engine.submit_many(
+            [GenerateRequest("running", prompts[0], GREEDY), GenerateRequest("queued", prompts[1], GREEDY)]
+        )
+        assert paused.wait(WAIT_S)
+        assert engine.abort("queued")
+        queued = engine.collect_finished(WAIT_S)
+        assert engine.abort("running")  # stops after the step in progress
+        go.set()
+        running = engine.collect_finished(WAIT_S)
+        # A result that await_result took is not handed over again, and its id can be used anew.
+        engine.submit(GenerateRequest("reused", prompts[2], SHORT))
+        awaited = engine.await_result("reused", timeout_s=WAIT_S)
+        assert engine.collect_finished(0.1) == []
+        engine.submit(GenerateRequest("reused", prompts[2], SHORT))
+        collected = collect(engine, 1)["reused"]
+    finally:
+        go.set()
+        gate.remove()
+        engine.shutdown()
+    assert queued == [GenerateResult("queued", [], [], "abort")]
+    assert [(r.request_id, r.finish_reason, len(r.token_ids)) for r in running] == [("running", "abort", 2)]
+    assert collected == awaited
+
+
+def test_batch_generate_rows_never_reach_collect_finished(model, tokenizer, prompts) -> None:
+    engine = HFEngine(model, tokenizer, "cpu", max_running_requests=3)
+    batch = as_batch(prompts, tokenizer.pad_token_id)
+    reference = engine.generate(batch, GREEDY)
+    gate = ForwardGate(model)
+    paused, go = gate.pause(batch_size=3, call=1)  # generate's first prefill: the singles join its batch
+    outputs = []
+    generating = threading.Thread(target=lambda: outputs.append(engine.generate(batch, GREEDY)))
+    try:
+        generating.start()
+        assert paused.wait(WAIT_S)
+        engine.submit_many(
+            [GenerateRequest(f"single{i}", prompt, SHORT) for i, prompt in enumerate(prompts[:3])]
+        )
+        go.set()
+        collected = collect(engine, 3)
+        generating.join(WAIT_S)
+        assert engine.collect_finished(0.1) == []  # the batch's rows finished meanwhile: none is here
+    finally:
+        go.set()
+        gate.remove()
+        engine.shutdown()
+    assert sorted(collected) == ["single0", "single1", "single2"]
+    assert torch.equal(outputs[0]["response_ids"], reference["response_ids"])
+
+
+def test_collect_finished_raises_for_a_failed_request_and_keeps_the_others(model, tokenizer) -> None:
+    engine = HFEngine(model, tokenizer, "cpu")
+
+    def run_to_the_end(request_id: str, prompt: list[int]) -> None:
+        engine.submit(GenerateRequest(request_id, prompt, SHORT))
+        # Waits without collecting (no public call does), so all three are finished at once below.
+        assert engine._entries[request_id].done.wait(WAIT_S)
+
+    try:
+        run_to_the_end("before", [3])
+        run_to_the_end("bad", [10_000])  # past the vocabulary: the embedding fails
+        run_to_the_end("after", [4])
+        with pytest.raises(RuntimeError, match="'bad' failed") as info:
+            engine.collect_finished(WAIT_S)
+        rest = engine.collect_finished(0)
+        with pytest.raises(KeyError, match="'bad'"):
+            engine.await_result("bad", timeout_s=0)
+    finally:
+        engine.shutdown()
+    assert isinstance(info.value.__cause__, IndexError)
+    assert [r.request_id for r in rest] == ["before", "after"]  # still in finish order
+
+
+def test_shutdown_wakes_a_waiting_collect_finished(model, tokenizer) -> None:
+    engine = HFEngine(model, tokenizer, "cpu")
+    answers: list[list[GenerateResult]] = []
+    waiter = threading.Thread(target=lambda: answers.append(engine.collect_finished(60.0)))
+    waiter.start()
+    time.sleep(0.2)  # let it block; were it late, it would see the shutdown and return at once all the same
+    start = time.monotonic()
+    engine.shutdown()
+    waiter.join(WAIT_S)
+    assert not waiter.is_alive() and answers == [[]]
+    assert time.monotonic() - start < 5.0
+    assert engine.collect_finished(60.0) == []  # shut down: no waiting at all
 
 
 def test_sampler_truncation_matches_transformers_warpers() -> None:

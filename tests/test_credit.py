@@ -1,5 +1,6 @@
 """From scores to advantages as the config asks (roll/pipelines/credit.py): shaping order, outcome
-rewards on the last token, KL in the reward, estimator parameters, whitening and clipping."""
+rewards on the last token, process rewards on every token, KL in the reward, estimator parameters,
+whitening and clipping."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from roll.pipelines.credit import (
     outcome_token_rewards,
     shape_scores,
     shaping_enabled,
+    token_level_rewards,
 )
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.float32)
@@ -85,3 +87,59 @@ def test_shaping_enabled_by_any_option():
     assert not shaping_enabled(RewardShapingConfig())
     for option in ({"overlong_buffer": 2}, {"length_penalty_coef": 0.1}, {"normalize": True}, {"clip": 1.0}):
         assert shaping_enabled(RewardShapingConfig(**option)), option
+
+
+# --------------------------------------------------------------------------- process rewards
+
+
+def test_token_level_rewards_without_process_rewards_equals_outcome_rewards():
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.5])
+    shaped = torch.tensor([0.5, -0.25, 1.0, 0.0])
+    expected = outcome_token_rewards(shaped, MASK)
+    assert torch.equal(token_level_rewards(scores, shaped, MASK), expected)
+    assert torch.equal(token_level_rewards(scores, shaped, MASK, [None] * 4), expected)
+
+
+def test_process_rewards_sit_on_response_tokens_with_the_shaping_delta_on_the_last():
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.5])
+    shaped = torch.tensor([0.5, -0.25, 1.0, 0.0])
+    process = [[0.25, 0.25, 0.5], None, [0.0, 0.5, 0.0, 0.5], [0.5, 0.0]]
+    rewards = token_level_rewards(scores, shaped, MASK, process)
+    expected = torch.tensor(
+        [
+            [0.25, 0.25, 0.5 - 0.5, 0.0],  # delta -0.5 on the last of 3 tokens
+            [-0.25, 0.0, 0.0, 0.0],  # no process rewards: the shaped score on its one token
+            [0.0, 0.5, 0.0, 0.5],  # no shaping: delta 0
+            [0.5, 0.0 - 0.5, 0.0, 0.0],
+        ]
+    )
+    assert torch.allclose(rewards, expected)
+    # Process rewards summing to the score give the shaped score as the sequence return.
+    assert torch.allclose((rewards * MASK).sum(dim=1), shaped)
+
+
+def test_process_rewards_of_the_wrong_length_are_rejected():
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.5])
+    with pytest.raises(ValueError, match="row 0: 2 process rewards for 3 response tokens"):
+        token_level_rewards(scores, scores, MASK, [[0.5, 0.5], None, None, None])
+    with pytest.raises(ValueError, match="row 3: 3 process rewards for 2 response tokens"):
+        token_level_rewards(scores, scores, MASK, [None, None, None, [0.1, 0.2, 0.3]])
+    with pytest.raises(ValueError, match="2 rows for a batch of 4"):
+        token_level_rewards(scores, scores, MASK, [None, None])
+
+
+def test_grpo_sees_the_sum_of_process_rewards_as_the_score():
+    # Two groups whose outcome scores are equal, so outcome-only GRPO has no signal at all.
+    scores = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    group = torch.tensor([0, 0, 1, 1])
+    algo = AlgorithmConfig(norm_adv_by_std=False)
+    outcome_adv, _ = compute_advantages(algo, token_level_rewards(scores, scores, MASK), MASK, group)
+    assert torch.equal(outcome_adv, torch.zeros_like(MASK))
+    # Row 0's process rewards sum to 1.5 and row 3's to -0.5; rows 1 and 2 keep their outcome scores.
+    process = [[0.5, 0.5, 0.5], None, None, [0.0, -0.5]]
+    rewards = token_level_rewards(scores, scores, MASK, process)
+    adv, _ = compute_advantages(algo, rewards, MASK, group)
+    # Group means 1.25 and -0.25: each sample's advantage is its summed reward minus its group's mean,
+    # on every response token.
+    expected = torch.tensor([[0.25], [-0.25], [0.25], [-0.25]]) * MASK
+    assert torch.allclose(adv, expected)

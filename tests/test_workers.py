@@ -19,11 +19,12 @@ from roll.distributed.weight_sync import WeightSync, WeightSyncError
 from roll.distributed.worker import register
 from roll.models.loading import load_tokenizer
 from roll.pipelines.common import prompt_batch, response_tensors, setup_trainer
+from roll.strategies.infer import GenerateRequest, GenerateResult
 from roll.strategies.sampling import SamplingParams
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
 from roll.workers.base import ModelSpec
 from roll.workers.reward import RewardWorker
-from roll.workers.rollout import RolloutWorker
+from roll.workers.rollout import RolloutSpec, RolloutWorker
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -103,6 +104,55 @@ def test_weight_transfer_makes_rollout_match_trainer(tiny_model_path, prompts):
     finally:
         actor.kill()
         rollout.kill()
+
+
+def collect_from(rollout: Cluster, rank: int, count: int) -> dict[str, GenerateResult]:
+    """``collect_finished`` on one rank until ``count`` results are in, none of them twice."""
+    results: dict[str, GenerateResult] = {}
+    deadline = time.monotonic() + 60
+    while len(results) < count and time.monotonic() < deadline:
+        for result in rollout.call_rank(rank, "collect_finished", 5.0, timeout_s=30):
+            assert result.request_id not in results, f"{result.request_id} delivered twice"
+            results[result.request_id] = result
+    assert len(results) == count, f"only {sorted(results)} finished"
+    return results
+
+
+def test_rollout_worker_serves_groups_on_one_rank_with_version_zero(tiny_model_path, prompts):
+    """The rollout scheduler's path: a group in with submit_many on one rank, results out with
+    collect_finished, aborts with abort_many; tokens before any sync carry weights version 0."""
+    spec = RolloutSpec(model=ModelSpec(path=tiny_model_path), max_running_requests=1)
+    rollout = Cluster("rollout", RolloutWorker, 2, spec)
+    try:
+        rollout.setup()
+        greedy = SamplingParams(max_new_tokens=4, greedy=True)
+        group = [GenerateRequest(f"group-{i}", prompts.token_ids[0], greedy) for i in range(3)]
+        rollout.call_rank(1, "submit_many", group)
+        results = collect_from(rollout, 1, 3)
+        assert rollout.call_rank(0, "collect_finished", 0.0) == []  # the group went to rank 1 only
+        tokens = {tuple(result.token_ids) for result in results.values()}
+        assert len(tokens) == 1, "greedy samples of one prompt differ"
+        for result in results.values():
+            assert result.weight_versions == [0] * len(result.token_ids) and result.token_ids
+
+        # One slot: "running" decodes while "waiting" is queued behind it. Greedy, this prompt meets no
+        # EOS, so "running" goes on for 1000 steps (seconds), far longer than the aborts take to arrive.
+        long = SamplingParams(max_new_tokens=1000, greedy=True)
+        rollout.call_rank(
+            0,
+            "submit_many",
+            [GenerateRequest(name, prompts.token_ids[1], long) for name in ("running", "waiting")],
+        )
+        assert rollout.call_rank(0, "abort_many", ["waiting", "never-submitted"]) == [True, False]
+        aborted_running = rollout.call_rank(0, "abort_many", ["running"])
+        results = collect_from(rollout, 0, 2)
+    finally:
+        rollout.kill()
+    assert results["waiting"] == GenerateResult("waiting", [], [], "abort")
+    running = results["running"]
+    assert aborted_running == [True] and running.finish_reason == "abort"
+    assert 0 < len(running.token_ids) < long.max_new_tokens
+    assert set(running.weight_versions) == {0}
 
 
 class StuckRolloutWorker(RolloutWorker):

@@ -1,5 +1,5 @@
 """Pure tensor functions for RL on LLMs: advantages, policy losses, KL estimators, loss aggregation,
-reward shaping.
+reward shaping, group filters (dynamic sampling).
 
 Each family is a registry, so the config selects an entry by name and a new one is a single function
 plus ``@REGISTRY.register("name", **traits)``. Nothing here imports Ray or worker code.
@@ -7,7 +7,17 @@ plus ``@REGISTRY.register("name", **traits)``. Nothing here imports Ray or worke
 
 from roll.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from roll.algorithms.aggregation import LOSS_AGGREGATIONS, aggregation_count
+from roll.algorithms.filters import GROUP_FILTERS, GroupOutcome, rejecting_filter
 from roll.algorithms.kl import KL_ESTIMATORS
 from roll.algorithms.losses import POLICY_LOSSES
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "LOSS_AGGREGATIONS", "POLICY_LOSSES", "aggregation_count"]
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "GROUP_FILTERS",
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "POLICY_LOSSES",
+    "GroupOutcome",
+    "aggregation_count",
+    "rejecting_filter",
+]

@@ -45,6 +45,32 @@ class RolloutConfig:
         help="Most samples one rollout worker decodes at once (continuous batching); more wait and join "
         "as others finish. Bounds the KV cache. Unset: no limit.",
     )
+    group_filters: list[str] = option(
+        [],
+        help="Dynamic sampling (DAPO): group filters (registry names) a prompt's samples must pass to be "
+        "trained on; the scheduler samples more prompts until the batch holds rollout_batch_size kept "
+        "groups. equal_rewards drops groups whose rewards are all equal, truncated drops groups with a "
+        "response cut at max_new_tokens. Empty: every group is kept.",
+    )
+    max_additional_running_prompts: int | None = option(
+        None,
+        ge=0,
+        help="Dynamic sampling: prompts generating beyond those the batch still needs, in case some are "
+        "filtered. Unset: rollout_batch_size.",
+    )
+    max_prompts_per_step: int | None = option(
+        None,
+        gt=0,
+        help="Dynamic sampling: most prompts drawn for one step. When they are spent, filtered groups "
+        "fill the batch (counted in rollout/fallback_groups). Unset: 8 x rollout_batch_size.",
+    )
+    async_generation_ratio: int = option(
+        0,
+        ge=0,
+        help="Asynchronous training: generation runs up to this many steps ahead of the actor, so samples "
+        "are at most this many weight versions old (older ones are aborted and their prompts redrawn). "
+        "Needs rollout workers on devices apart from the actor's (or CPU workers). 0: synchronous.",
+    )
     hybrid_engine: bool = option(
         False,
         help="Generate with the actor's own model in the actor's processes (peers' 'hybrid engine'): no "

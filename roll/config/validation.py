@@ -216,6 +216,59 @@ def check_hybrid_engine(cfg: RLVRConfig) -> list[str]:
     return problems
 
 
+def check_dynamic_sampling(cfg: RLVRConfig) -> list[str]:
+    """Group filter names, and filter settings under which no step could ever fill its batch."""
+    from roll.algorithms import GROUP_FILTERS
+
+    rollout = cfg.rollout
+    problems = []
+    for name in rollout.group_filters:
+        problems += check_registry("rollout.group_filters", name, GROUP_FILTERS)
+    if "equal_rewards" in rollout.group_filters and rollout.num_return_sequences == 1:
+        problems.append(
+            "rollout.group_filters: equal_rewards drops every group of one sample (its rewards are all "
+            "equal), so no group would ever be kept: set rollout.num_return_sequences >= 2 or remove "
+            "equal_rewards"
+        )
+    most = rollout.max_prompts_per_step
+    if most is not None and most < rollout.rollout_batch_size:
+        problems.append(
+            f"rollout.max_prompts_per_step ({most}) is below rollout.rollout_batch_size "
+            f"({rollout.rollout_batch_size}), so no step could draw its batch: raise it to at least "
+            f"{rollout.rollout_batch_size} or unset it (8 x rollout_batch_size)"
+        )
+    return problems
+
+
+def check_async_generation(cfg: RLVRConfig) -> list[str]:
+    """``rollout.async_generation_ratio > 0`` generates while the actor trains, so the two must not share
+    processes (hybrid engine) or devices (colocation time-shares them, one stage at a time)."""
+    from roll.config.devices import role_plan
+    from roll.distributed.device_mapping import is_colocated
+
+    ratio = cfg.rollout.async_generation_ratio
+    if ratio == 0:
+        return []
+    key = f"rollout.async_generation_ratio={ratio}"
+    if cfg.rollout.hybrid_engine:
+        return [
+            f"{key} generates while the actor trains, but with rollout.hybrid_engine the actor itself "
+            "generates and cannot do both at once: set rollout.hybrid_engine=false or "
+            "rollout.async_generation_ratio=0"
+        ]
+    try:
+        roles = {role.role: role for role in role_plan(cfg)}
+    except ValueError:
+        return []  # a malformed mapping, already reported by check_devices
+    if is_colocated(roles["actor"], roles["rollout"]):
+        return [
+            f"{key} generates while the actor trains, but rollout.device_mapping shares devices with "
+            "actor.device_mapping, so the two take turns: give the rollout a device_mapping disjoint from "
+            "the actor's, or leave both unset (CPU workers), or set rollout.async_generation_ratio=0"
+        ]
+    return []
+
+
 def validate_rlvr(cfg: RLVRConfig) -> list[str]:
     from roll.config.devices import check_devices, resolve_world_sizes
 
@@ -244,6 +297,8 @@ def validate_rlvr(cfg: RLVRConfig) -> list[str]:
     if cfg.critic is not None:
         problems += check_update_batches("critic", cfg.critic, samples, rollout.num_return_sequences)
     problems += check_algorithm(cfg)
+    problems += check_dynamic_sampling(cfg)
+    problems += check_async_generation(cfg)
     problems += check_reward("reward", cfg.reward)
     if cfg.eval_reward is not None:
         problems += check_reward("eval_reward", cfg.eval_reward)

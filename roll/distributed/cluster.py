@@ -33,13 +33,19 @@ __all__ = [
     "WorkerUnresponsiveError",
     "caller_signature",
     "wait_all",
+    "wait_any",
     "wait_for_ranks",
 ]
 
 
 class ClusterFuture:
     """Pending results of one Cluster call; ``get()`` waits (with the cluster's timeout, watching the
-    ranks' heartbeats) and merges them."""
+    ranks' heartbeats) and merges them.
+
+    ``ranks`` names the rank of each ref when they are not 0..n-1 (a call on one rank), so errors name
+    the rank that failed. ``deadline`` (``time.monotonic()`` at creation plus ``timeout_s``) is when the
+    call is overdue for ``wait_any``, which waits on many calls at once and cannot restart a timeout
+    for each."""
 
     def __init__(
         self,
@@ -49,14 +55,19 @@ class ClusterFuture:
         method: str,
         timeout_s: float,
         watch: RankWatch | None = None,
+        ranks: Sequence[int] | None = None,
     ):
+        if ranks is not None and len(ranks) != len(refs):
+            raise ValueError(f"{len(ranks)} ranks given for {len(refs)} refs")
         self.refs, self._collect = refs, collect
         self.role, self.method, self.timeout_s = role, method, timeout_s
         self.watch = watch
+        self.ranks: list[int] = list(ranks) if ranks is not None else list(range(len(refs)))
+        self.deadline = time.monotonic() + timeout_s
 
     def get(self) -> Any:
         return self._collect(
-            wait_for_ranks(self.refs, self.role, self.method, self.timeout_s, watch=self.watch)
+            wait_for_ranks(self.refs, self.role, self.method, self.timeout_s, self.ranks, self.watch)
         )
 
 
@@ -184,6 +195,34 @@ class Cluster:
         call.__signature__ = caller_signature(method)  # type: ignore[attr-defined]
         return call
 
+    def call_rank(
+        self,
+        rank: int,
+        method: str,
+        *args: Any,
+        blocking: bool = True,
+        timeout_s: float | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Call ``method`` on one rank only: any public method of the worker, registered or not (the
+        single requests a scheduler sends to the rollout worker it picked, e.g. ``submit_many``).
+
+        Returns that rank's result, or with ``blocking=False`` a ClusterFuture whose ``get()`` does.
+        ``timeout_s`` defaults to the cluster's; failures and timeouts name role, rank and method.
+
+        Raises:
+            ValueError: ``rank`` is not in 0..world_size-1.
+            AttributeError: the worker class has no public method ``method``.
+        """
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"{self.role}: rank {rank} is out of range for world_size {self.world_size}")
+        if method.startswith("_") or not callable(getattr(self.worker_cls, method, None)):
+            raise AttributeError(f"{self.worker_cls.__name__} ({self.role}) has no public method {method!r}")
+        ref = getattr(self.workers[rank], method).remote(*args, **kwargs)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        future = ClusterFuture([ref], _only, self.role, method, timeout, self.watch(method, [rank]), [rank])
+        return future.get() if blocking else future
+
     def watch(self, method: str, ranks: Sequence[int] | None = None) -> RankWatch:
         """Heartbeats and progress for a call of ``method`` waiting on ``ranks`` (default: all)."""
         ranks = range(self.world_size) if ranks is None else ranks
@@ -235,3 +274,67 @@ def caller_signature(method: Callable[..., Any]) -> inspect.Signature:
 def wait_all(*futures: ClusterFuture) -> list[Any]:
     """Wait for several clusters' calls that run at the same time (e.g. setup of every role)."""
     return [f.get() for f in futures]
+
+
+def wait_any(futures: Sequence[ClusterFuture], timeout_s: float) -> list[ClusterFuture]:
+    """Wait up to ``timeout_s`` until at least one of ``futures`` is ready (every rank it called has
+    answered, or failed), and return the ready ones in the given order; their ``get()`` then does not
+    block (and raises for a failed rank). [] on timeout, or at once for no futures.
+
+    This is how a driver thread serves many workers at once (one ``collect_finished`` in flight per
+    rollout worker, acting on whichever answers first) without a thread per call. While it waits,
+    the pending calls' ranks are watched as ``wait_for_ranks`` watches them.
+
+    Raises:
+        WorkerTimeoutError: a pending future is past its ``deadline``; names its role, the first rank
+            that has not answered and the method.
+        WorkerUnresponsiveError: a pending rank stopped answering heartbeats.
+    """
+    futures = list(futures)
+    if not futures:
+        return []
+    until = time.monotonic() + timeout_s
+    while True:
+        refs = list(dict.fromkeys(ref for future in futures for ref in future.refs))  # ray.wait: unique
+        done, not_done = ray.wait(refs, num_returns=len(refs), timeout=0)
+        done_set = set(done)
+        ready = [f for f in futures if all(ref in done_set for ref in f.refs)]
+        if ready:
+            return ready
+        _watch_pending(futures, done_set)
+        if time.monotonic() >= until:
+            return []
+        # Only refs not done yet: a future with some ranks answered must not make this return at once.
+        ray.wait(not_done, num_returns=1, timeout=max(_next_wake(futures, until) - time.monotonic(), 0))
+
+
+def _watch_pending(futures: Sequence[ClusterFuture], done: set[ray.ObjectRef]) -> None:
+    """Raise for a future past its deadline, and poll the heartbeats of the ranks not answered yet."""
+    now = time.monotonic()
+    for future in futures:
+        pending = [rank for ref, rank in zip(future.refs, future.ranks) if ref not in done]
+        if now >= future.deadline:
+            raise WorkerTimeoutError(
+                future.role,
+                pending[0],
+                future.method,
+                f"no answer after {future.timeout_s:g} s from rank(s) {pending} "
+                "(raise ray.call_timeout_s, or the call's timeout_s, if this work is legitimately slow)",
+            )
+        if future.watch is not None:
+            future.watch.poll((future.role, rank) for rank in pending)
+
+
+def _next_wake(futures: Sequence[ClusterFuture], until: float) -> float:
+    """When ``wait_any`` must look again: its own end, the first deadline, or the next liveness poll."""
+    wake = min(until, *(future.deadline for future in futures))
+    polls = [f.watch.poll_every_s for f in futures if f.watch is not None and f.watch.poll_every_s]
+    if polls:
+        wake = min(wake, time.monotonic() + min(polls))
+    return wake
+
+
+def _only(results: list[Any]) -> Any:
+    """The result of a call on one rank (``call_rank``), not a list of one."""
+    (result,) = results
+    return result

@@ -1,10 +1,13 @@
 """Credit assignment for one rollout batch, as the config asks: response scores -> shaped scores ->
-per-token rewards (with the KL penalty when it lives in the reward) -> advantages and returns.
+per-token rewards (outcome or process rewards, with the KL penalty when it lives in the reward) ->
+advantages and returns.
 
 Glue between ``AlgorithmConfig`` and the pure functions of ``roll.algorithms``; no Ray, no workers.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -47,6 +50,57 @@ def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> 
     rewards = torch.zeros_like(mask)
     rewards[torch.arange(len(scores)), last] = scores.to(torch.float32)
     return rewards * mask
+
+
+def token_level_rewards(
+    scores: torch.Tensor,
+    shaped: torch.Tensor,
+    response_mask: torch.Tensor,
+    process_rewards: Sequence[Sequence[float] | None] | None = None,
+) -> torch.Tensor:
+    """[B, T] rewards from sequence scores and, where a reward gave them, per-token process rewards.
+
+    A row without process rewards gets its shaped score on its last response token (as
+    ``outcome_token_rewards``). A row with process rewards gets them on its response tokens, in order,
+    plus the shaping delta ``shaped - score`` on its last response token: shaping (penalties,
+    normalisation, clipping) still applies, and process rewards that sum to the score give the same
+    sequence return as the outcome reward would. Estimators that compare sequences (GRPO, RLOO, ...) sum
+    token rewards, so for them a row's score is the sum of its process rewards plus the shaping delta.
+
+    Args:
+        scores: ``[B]`` the rewards' sequence scores, before shaping.
+        shaped: ``[B]`` the scores after ``shape_scores``.
+        response_mask: ``[B, T]`` 1 on response tokens (bool or float), right-padded.
+        process_rewards: per row, one reward per response token, or None; None for the whole batch
+            means outcome rewards only.
+
+    Returns:
+        ``[B, T]`` float32, zero outside ``response_mask``.
+
+    Raises:
+        ValueError: a row's process rewards have not one entry per response token of that row.
+    """
+    rewards = outcome_token_rewards(shaped, response_mask)
+    if process_rewards is None:
+        return rewards
+    if len(process_rewards) != len(scores):
+        raise ValueError(f"process_rewards has {len(process_rewards)} rows for a batch of {len(scores)}")
+    mask = response_mask.bool()
+    delta = shaped.to(torch.float32) - scores.to(torch.float32)
+    for row, per_token in enumerate(process_rewards):
+        if per_token is None:
+            continue
+        positions = mask[row].nonzero().squeeze(-1)
+        if len(per_token) != len(positions):
+            raise ValueError(
+                f"row {row}: {len(per_token)} process rewards for {len(positions)} response tokens; "
+                "a process reward needs one entry per response token"
+            )
+        rewards[row] = 0.0
+        rewards[row, positions] = torch.as_tensor(per_token, dtype=torch.float32)
+        if len(positions):
+            rewards[row, positions[-1]] += delta[row]
+    return rewards
 
 
 def kl_per_token(

@@ -33,7 +33,6 @@ from roll.pipelines.common import (
     is_eval_step,
     open_tracker,
     prepare_model,
-    prompt_batch,
     setup_trainer,
     write_resolved_config,
 )
@@ -41,12 +40,13 @@ from roll.pipelines.credit import (
     advantage_metrics,
     compute_advantages,
     kl_per_token,
-    outcome_token_rewards,
     shape_scores,
     shaping_enabled,
+    token_level_rewards,
 )
 from roll.pipelines.preflight import RunInputs, preflight
 from roll.pipelines.worker_specs import device_roles, plan_workers, updates_per_step
+from roll.rollout import BatchBackend, RayBackend, RolloutBackend, RolloutRouter, RolloutScheduler
 from roll.tracking import Tracker
 from roll.utils.signals import set_activity
 from roll.workers.actor import ActorWorker
@@ -68,6 +68,7 @@ class RLVRPipeline:
         self.config = config
         self.device_table: DeviceTable | None = None
         self.actor = self.critic = self.rollout = self.reward = self.reference = None
+        self.scheduler: RolloutScheduler | None = None
         self.weight_sync: WeightSync | None = None
         inputs = inputs or preflight(config)
         self.tokenizer, self.train_prompts, self.eval_prompts = inputs.tokenizer, inputs.train, inputs.eval
@@ -173,6 +174,14 @@ class RLVRPipeline:
             if trainer in clusters:
                 setups[trainer] = functools.partial(setup_trainer, clusters[trainer], blocking=False)
         self.colocation.start(setups)
+        pad_id = self.tokenizer.pad_token_id
+        if self.rollout is None:
+            backend: RolloutBackend = BatchBackend(self.actor, self.reward, pad_id)
+        else:
+            backend = RayBackend(RolloutRouter(self.rollout), self.reward, pad_id)
+        self.scheduler = RolloutScheduler(
+            backend, self.train_prompts, self.prompt_order, plan.scheduler, plan.sampling, self.tokenizer
+        )
         if self.rollout is None:
             return
         self.weight_sync = WeightSync(
@@ -245,26 +254,19 @@ class RLVRPipeline:
         cfg, algo = self.config, self.config.algorithm
         timer = StageTimer()
         start = time.perf_counter()
-        indices = self.prompt_order.next_indices()
-        batch = prompt_batch(self.train_prompts, indices, self.tokenizer.pad_token_id)
-        batch["group_index"] = torch.arange(len(indices))
-        batch = batch.repeat(self.plan.samples_per_prompt, interleave=True)
-
         metrics: dict[str, float] = {}
-        with timer("generate"):
+        with timer("rollout"):  # generation and rewards, sample by sample (roll/rollout/scheduler.py)
             _add(metrics, self.colocation.use(self.generator_role))
-            batch = batch.union(
-                self.generator.generate(batch.select_keys(GENERATE_FIELDS), self.plan.sampling)
-            )
+            batch, rollout_metrics = self.scheduler.next_batch(step)
+        metrics.update(rollout_metrics)
         mask = batch["response_mask"].float()
         lengths = mask.sum(dim=1)
-        with timer("reward"):
-            scores = self.reward.compute_rewards(batch.select_keys(REWARD_FIELDS))["scores"]
-            shaped = shape_scores(scores, lengths, algo.reward_shaping, cfg.rollout.max_new_tokens)
+        scores = batch["scores"]
+        shaped = shape_scores(scores, lengths, algo.reward_shaping, cfg.rollout.max_new_tokens)
         with timer("logprobs"):
             batch = self._forward_passes(batch, metrics)
 
-        token_rewards = outcome_token_rewards(shaped, mask)
+        token_rewards = token_level_rewards(scores, shaped, mask, batch["token_rewards"])
         if self.reference is not None and algo.kl_penalty == "reward":
             kl = kl_per_token(batch["old_logprobs"], batch["ref_logprobs"], mask, algo.kl_estimator)
             token_rewards = token_rewards - self.kl_coef * kl
@@ -289,6 +291,7 @@ class RLVRPipeline:
                 _add(metrics, self.colocation.use("actor", "rollout"))
                 sent = self.weight_sync.sync(version=step)
                 metrics["sync/gb_per_s"] = sent["gb_per_s"]
+        self.scheduler.set_weights_version(step)
         if self.reference is not None:
             metrics["actor/kl_coef"] = self.kl_coef
             self._adapt_kl_coef(metrics, len(batch))
@@ -368,6 +371,9 @@ class RLVRPipeline:
         results["eval/best"] = max(best, score)
 
     def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
+            self.scheduler = None
         for cluster in (self.actor, self.critic, self.rollout, self.reward, self.reference):
             if cluster is not None:
                 cluster.kill()

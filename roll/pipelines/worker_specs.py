@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from roll.config.devices import role_plan
 from roll.config.rlvr import RLVRConfig
 from roll.distributed.device_mapping import RoleDevices
+from roll.rollout.scheduler import SchedulerSpec
 from roll.strategies.sampling import SamplingParams
 from roll.workers.actor import ActorSpec, OptimizerSpec
 from roll.workers.base import ModelSpec
@@ -55,6 +56,7 @@ class RLVRWorkerPlan:
     actor: ActorSpec
     critic: CriticSpec | None
     rollout: RolloutSpec
+    scheduler: SchedulerSpec
     sampling: SamplingParams
     eval_sampling: SamplingParams
     prompts_per_step: int
@@ -96,6 +98,7 @@ def plan_workers(cfg: RLVRConfig, model_path: str) -> RLVRWorkerPlan:
         actor=actor,
         critic=critic,
         rollout=from_section(RolloutSpec, rollout, model=model),
+        scheduler=from_section(SchedulerSpec, rollout),
         sampling=sampling,
         eval_sampling=sampling.as_greedy(cfg.eval.max_new_tokens),
         prompts_per_step=rollout.rollout_batch_size,

@@ -7,19 +7,24 @@ A reward function is a pure, fast Python function registered by name in ``REWARD
     sample:   the dataset row the prompt came from (e.g. its ``answer``), as a dict.
 
 It returns either a plain number (the sequence score) or a ``RewardOutput`` that can also carry
-per-token rewards and logging info. Callers go through ``score_response``, which validates the result
-and always returns a ``RewardOutput``. A reward that reads row fields declares them with
-``@needs_fields("answer")`` so that rows without them fail at load time.
+per-token rewards (process rewards) and logging info. Callers go through ``score_response``, which
+validates the result and always returns a ``RewardOutput``. A reward that reads row fields declares them
+with ``@needs_fields("answer")`` so that rows without them fail at load time.
+
+A process reward, which scores the response token by token, also declares a ``response_ids`` parameter
+(``fn(prompt, response, sample, response_ids)``): it then receives the response's token ids, the tokens
+its ``token_rewards`` must line up with one to one. Their sum is the return the advantage estimators see
+(``roll.pipelines.credit.token_level_rewards``), so ``score`` is best kept equal to that sum.
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from roll.utils.registry import Registry
+from roll.utils.registry import Registry, accepted_kwargs
 
 
 @dataclass
@@ -28,8 +33,9 @@ class RewardOutput:
 
     Attributes:
         score: the sequence-level reward.
-        token_rewards: optional per-token rewards for the response tokens (process rewards); ``None``
-            means the score is placed on the last response token.
+        token_rewards: optional per-token rewards for the response tokens (process rewards), one per
+            response token; their sum then takes the score's place in the return. ``None`` means the
+            score is placed on the last response token.
         info: extra values to log (e.g. the parsed answer), keyed by name.
     """
 
@@ -43,7 +49,9 @@ RewardFn = Callable[[str, str, dict], "float | RewardOutput"]
 REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function")
 
 
-def score_response(name: str, prompt: str, response: str, sample: dict) -> RewardOutput:
+def score_response(
+    name: str, prompt: str, response: str, sample: dict, response_ids: Sequence[int] | None = None
+) -> RewardOutput:
     """Run the reward function registered as ``name`` and normalise its result.
 
     Args:
@@ -51,6 +59,8 @@ def score_response(name: str, prompt: str, response: str, sample: dict) -> Rewar
         prompt: prompt text.
         response: generated text.
         sample: the dataset row.
+        response_ids: the response's token ids (padding excluded), when known. Passed on only to a
+            function that declares a ``response_ids`` parameter, so plain rewards keep their 3 arguments.
 
     Returns:
         A ``RewardOutput``; a plain number ``x`` becomes ``RewardOutput(score=float(x))``.
@@ -58,18 +68,39 @@ def score_response(name: str, prompt: str, response: str, sample: dict) -> Rewar
     Raises:
         KeyError: unknown reward name (with a did-you-mean suggestion).
         TypeError: the function returned something other than a number or a ``RewardOutput``.
+        ValueError: ``token_rewards`` has not one entry per token of ``response_ids``.
     """
     fn = REWARD_FUNCTIONS.get(name)
-    result = fn(prompt, response, sample)
+    result = fn(prompt, response, sample, **accepted_kwargs(fn, {"response_ids": response_ids}))
     if isinstance(result, RewardOutput):
+        check_token_rewards(name, fn, result, response_ids)
         return result
     # bool is a number too, and True/False as 1/0 is a natural thing for a checker to return.
     if isinstance(result, numbers.Real):
         return RewardOutput(score=float(result))
     raise TypeError(
-        f"reward function '{name}' ({getattr(fn, '__qualname__', fn)}) returned "
+        f"reward function '{name}' ({_describe(fn)}) returned "
         f"{type(result).__name__} {result!r}; it must return a float or a RewardOutput"
     )
+
+
+def check_token_rewards(
+    name: str, fn: RewardFn, result: RewardOutput, response_ids: Sequence[int] | None
+) -> None:
+    """Raise ValueError when ``result.token_rewards`` cannot be laid on the tokens of ``response_ids``:
+    a misaligned process reward would otherwise credit the wrong tokens, or fail later far from here."""
+    if result.token_rewards is None or response_ids is None:
+        return
+    if len(result.token_rewards) != len(response_ids):
+        raise ValueError(
+            f"reward function '{name}' ({_describe(fn)}) returned {len(result.token_rewards)} token_rewards "
+            f"for a response of {len(response_ids)} tokens; return one per response token "
+            "(declare a `response_ids` parameter to receive them)"
+        )
+
+
+def _describe(fn: RewardFn) -> str:
+    return str(getattr(fn, "__qualname__", fn))
 
 
 def needs_fields(*fields: str) -> Callable[[RewardFn], RewardFn]:

@@ -17,9 +17,12 @@ from roll.strategies.infer import INFERENCE_ENGINES, GenerateRequest, GenerateRe
 from roll.strategies.sampling import SamplingParams
 from roll.workers.base import ModelSpec, ModelWorker
 
-# Single requests (submit / await / abort) go to one worker, so they are plain methods that the router
-# calls on that worker's handle; a Cluster call would reach every rank.
-REQUEST_METHODS = ("submit", "await_result", "abort")
+# Single requests go to one worker, so they are plain methods that the router or the rollout scheduler
+# calls on one rank (``Cluster.call_rank``); a registered Cluster call would reach every rank.
+REQUEST_METHODS = ("submit", "submit_many", "await_result", "collect_finished", "abort", "abort_many")
+# The label of the weights a worker starts with: the trainer's first sync is version 1, so every token
+# of a run carries a version, and staleness is measured from the start.
+INITIAL_WEIGHTS_VERSION = 0
 
 
 @dataclass
@@ -37,7 +40,7 @@ class RolloutWorker(ModelWorker):
     share the actor's one main thread; the engine decodes in its own serving thread."""
 
     concurrency_groups = {"control": 8}
-    weights_version: int = -1
+    weights_version: int  # the version of the engine's weights, INITIAL_WEIGHTS_VERSION after setup
     engine: InferenceEngine
 
     @register(Dispatch.ONE_TO_ALL)
@@ -47,6 +50,9 @@ class RolloutWorker(ModelWorker):
         self.engine = INFERENCE_ENGINES.get("hf")(
             self.model, self.tokenizer, self.device, max_running_requests=capacity
         )
+        with self.engine.weight_update(INITIAL_WEIGHTS_VERSION):  # labels tokens sampled before any sync
+            pass
+        self.weights_version = INITIAL_WEIGHTS_VERSION
         self.weight_group = None
 
     @register(Dispatch.ONE_TO_ALL)
@@ -71,12 +77,30 @@ class RolloutWorker(ModelWorker):
         self.engine.submit(request)
 
     @ray.method(concurrency_group="control")
+    def submit_many(self, requests: list[GenerateRequest]) -> None:
+        """Queue a group (e.g. the samples of one prompt) in one call, to start at the same step."""
+        self.engine.submit_many(requests)
+
+    @ray.method(concurrency_group="control")
     def await_result(self, request_id: str, timeout_s: float | None = None) -> GenerateResult:
         return self.engine.await_result(request_id, timeout_s)
 
     @ray.method(concurrency_group="control")
+    def collect_finished(self, timeout_s: float) -> list[GenerateResult]:
+        """Every result finished since the last collection, waiting up to ``timeout_s`` for one: a
+        scheduler keeps one such call in flight per worker instead of one per request. It holds one
+        ``control`` thread while it waits, so keep ``timeout_s`` short next to the call timeout."""
+        return self.engine.collect_finished(timeout_s)
+
+    @ray.method(concurrency_group="control")
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
+
+    @ray.method(concurrency_group="control")
+    def abort_many(self, request_ids: list[str]) -> list[bool]:
+        """Abort several requests in one call (e.g. a group that is no longer needed); per id, whether
+        it was still queued or running (see ``InferenceEngine.abort``)."""
+        return [self.engine.abort(request_id) for request_id in request_ids]
 
     # ------------------------------------------------------------ memory between colocated stages
     @register(Dispatch.ONE_TO_ALL)
@@ -105,8 +129,7 @@ class RolloutWorker(ModelWorker):
         """Take ``version`` of the weights from the trainer, bucket by bucket, into the engine's model."""
         from roll.distributed.weight_transfer import receive_weights
 
-        if version <= self.weights_version:
-            raise ValueError(f"weights version {version} is not newer than the loaded {self.weights_version}")
+        self._check_newer(version)
         if self.weight_group is None:
             raise RuntimeError("no weight-transfer group: call join_weight_group first")
         device = self.device if self.weight_group.backend == "nccl" else torch.device("cpu")
@@ -119,12 +142,20 @@ class RolloutWorker(ModelWorker):
 
     @register(Dispatch.ONE_TO_ALL)
     def load_weights(self, state_dict: dict[str, Any], version: int) -> int:
-        """Replace the weights with ``state_dict`` (e.g. a checkpoint); ``version`` must move forward."""
-        if version <= self.weights_version:
-            raise ValueError(f"weights version {version} is not newer than the loaded {self.weights_version}")
+        """Replace the weights with ``state_dict`` (e.g. a checkpoint); ``version`` must move forward,
+        except that before any sync the model's own weights may be replaced as version 0 (other
+        weights to start the run from: nothing has moved the version on yet)."""
+        if not version == self.weights_version == INITIAL_WEIGHTS_VERSION:
+            self._check_newer(version)
         self.engine.load_weights(state_dict, version=version)
         self.weights_version = version
         return version
+
+    def _check_newer(self, version: int) -> None:
+        """Versions only move forward: staleness is the distance between a token's version and the
+        trainer's, so a version that went back would make old tokens look fresh."""
+        if version <= self.weights_version:
+            raise ValueError(f"weights version {version} is not newer than the loaded {self.weights_version}")
 
     # ------------------------------------------------------------ weights through shared memory (one node)
     @register(Dispatch.ONE_TO_ALL)
@@ -148,8 +179,7 @@ class RolloutWorker(ModelWorker):
         into the engine's model."""
         from roll.distributed.shm_transfer import read_weights
 
-        if version <= self.weights_version:
-            raise ValueError(f"weights version {version} is not newer than the loaded {self.weights_version}")
+        self._check_newer(version)
         segment = getattr(self, "_shared_weights", None)
         if segment is None:
             raise RuntimeError("no shared weight segment: call open_shared_weights first")

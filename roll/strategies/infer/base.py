@@ -67,7 +67,8 @@ class GenerateResult:
     quantity as ``rollout_logprobs`` of batch generation). ``finish_reason`` is "stop" (EOS), "length"
     (``max_new_tokens`` reached) or "abort" (``abort`` was called; the tokens are those produced so far,
     none for a request that had not started). ``weight_versions`` holds, per token, the version of the
-    weights that sampled it (the ``version`` given to ``load_weights``; -1 before any): a request in
+    weights that sampled it (the ``version`` given to ``load_weights`` or ``weight_update``; -1 for an
+    engine never given one, while the rollout worker labels a run's initial weights 0): a request in
     flight across a weight update shows both versions, which is what staleness bounds are checked on.
     """
 
@@ -83,15 +84,18 @@ class InferenceEngine(abc.ABC):
 
     Two ways in: ``generate`` runs a whole left-padded batch at once (synchronous rollout), and
     ``submit`` / ``await_result`` / ``abort`` handle single requests (asynchronous and partial rollout,
-    dynamic sampling that stops once enough samples are in). The contract is drawn so that vLLM's
-    ``AsyncLLMEngine`` (``add_request`` / ``abort``) and SGLang's engine fit it; their adapters are a
-    later issue. ``HFEngine`` (``roll.strategies.infer.hf``, continuous batching over any Hugging Face
-    causal LM) is the implementation used today.
+    dynamic sampling that stops once enough samples are in). A scheduler driving many requests uses
+    ``submit_many`` (a group of samples of one prompt starts together) and ``collect_finished``
+    (whatever finished, in one call, instead of one blocking ``await_result`` per request). The
+    contract is drawn so that vLLM's ``AsyncLLMEngine`` (``add_request`` / ``abort``) and SGLang's
+    engine fit it; their adapters are a later issue. ``HFEngine`` (``roll.strategies.infer.hf``,
+    continuous batching over any Hugging Face causal LM) is the implementation used today.
 
     Rules every engine keeps:
-      - ``submit``, ``abort`` and ``await_result`` may be called from any thread, also while a generation
-        runs (the rollout worker is a threaded actor, so an abort arrives mid-generation).
-      - Results are delivered exactly once: ``await_result`` hands a finished result over and forgets it.
+      - The single-request methods may be called from any thread, also while a generation runs (the
+        rollout worker is a threaded actor, so an abort arrives mid-generation).
+      - Results are delivered exactly once: ``await_result`` or ``collect_finished``, whichever comes
+        first, hands a finished result over and forgets it.
       - While memory is released (``release_memory``), ``generate`` and ``submit`` raise RuntimeError;
         requests submitted before the release wait until ``reacquire_memory``.
       - Weights loaded with ``load_weights`` never change in the middle of a decode step; requests in
@@ -105,6 +109,38 @@ class InferenceEngine(abc.ABC):
         Raises:
             ValueError: its request id is already in use by an unfinished or uncollected request.
             RuntimeError: memory is released or the engine is shut down.
+        """
+
+    def submit_many(self, requests: Sequence[GenerateRequest]) -> None:
+        """Queue ``requests`` together, so that they start at the same decode step when slots allow (the
+        samples of one prompt share their prefill instead of trickling in one step apart).
+
+        This default submits them one by one, so an engine that cannot queue a group atomically still
+        works, only without the common start, and a bad id leaves the requests before it queued.
+        Engines that can should override it and check every id before queuing any.
+
+        Raises:
+            ValueError: an id is already in use or repeated.
+            RuntimeError: memory is released or the engine is shut down.
+        """
+        for request in requests:
+            self.submit(request)
+
+    @abc.abstractmethod
+    def collect_finished(self, timeout_s: float) -> list[GenerateResult]:
+        """Block until a request submitted with ``submit`` / ``submit_many`` has finished and not been
+        handed over yet, then hand over every such result at once, in finish order (aborted ones
+        included, with finish_reason "abort"). A scheduler thus waits on one call per engine, whatever
+        the number of requests in flight. Rows of ``generate`` are never returned here.
+
+        Returns:
+            The finished results, each delivered once (a later ``await_result`` of its id raises
+            KeyError); [] when none finished within ``timeout_s``. Shutdown ends the wait: a shut-down
+            engine returns what has finished, possibly [], without waiting.
+
+        Raises:
+            RuntimeError: a collected request's generation failed (the message names it, the cause is
+                chained); it is forgotten, the other finished results stay for the next call.
         """
 
     @abc.abstractmethod

@@ -19,7 +19,8 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -107,6 +108,10 @@ class HFEngine(InferenceEngine):
         self._state_lock = threading.Lock()
         self._wakeup = threading.Condition(self._state_lock)
         self._entries: dict[str, _Entry] = {}
+        # Ids of finished, uncollected single requests in finish order, for collect_finished. await_result
+        # takes its id out too, so the line stays short for callers that never collect.
+        self._finished: deque[str] = deque()
+        self._finished_ready = threading.Condition(self._state_lock)
         self._queue: list[_Entry] = []
         self._released = False
         self._closed = False
@@ -130,6 +135,26 @@ class HFEngine(InferenceEngine):
             raise TypeError(f"submit takes a GenerateRequest, got {type(request).__name__}")
         self._enqueue([request])
 
+    def submit_many(self, requests: Sequence[GenerateRequest]) -> None:
+        """Queue ``requests`` as one group (all ids checked before any is queued), so the serving thread
+        admits them at the same step; see ``InferenceEngine.submit_many``."""
+        requests = list(requests)
+        for request in requests:
+            if not isinstance(request, GenerateRequest):
+                raise TypeError(f"submit_many takes GenerateRequests, got a {type(request).__name__}")
+        self._enqueue(requests)
+
+    def collect_finished(self, timeout_s: float) -> list[GenerateResult]:
+        """Hand over every finished single request at once; see ``InferenceEngine.collect_finished``."""
+        deadline = time.monotonic() + timeout_s
+        with self._state_lock:
+            while True:
+                results = self._take_finished()
+                remaining = deadline - time.monotonic()
+                if results or self._closed or remaining <= 0:
+                    return results
+                self._finished_ready.wait(remaining)
+
     def await_result(self, request_id: str, timeout_s: float | None) -> GenerateResult:
         """Wait for ``request_id``'s result and hand it over; see ``InferenceEngine.await_result``."""
         with self._state_lock:
@@ -139,8 +164,12 @@ class HFEngine(InferenceEngine):
         if not entry.done.wait(timeout_s):
             raise TimeoutError(f"request {request_id!r} did not finish within {timeout_s} s")
         with self._state_lock:
-            if self._entries.get(request_id) is entry:
-                del self._entries[request_id]
+            if self._entries.get(request_id) is not entry:
+                # Handed over while this call waited (collect_finished, another awaiter): exactly once.
+                raise KeyError(f"request {request_id!r}'s result was collected by another call")
+            del self._entries[request_id]
+            if not request_id.startswith(_BATCH_ID_PREFIX):  # generate's rows never join the line
+                self._finished.remove(request_id)
         if entry.error is not None:
             raise RuntimeError(f"generation of request {request_id!r} failed: {entry.error}") from entry.error
         assert entry.result is not None  # done is set only after result or error
@@ -251,6 +280,7 @@ class HFEngine(InferenceEngine):
                 if entry.running:
                     entry.abort_requested = True
             self._wakeup.notify_all()
+            self._finished_ready.notify_all()  # a waiting collect_finished returns instead of timing out
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
@@ -443,6 +473,32 @@ class HFEngine(InferenceEngine):
         """Publish an outcome and wake the awaiting caller (caller holds the state lock)."""
         entry.result, entry.error, entry.running = result, error, False
         entry.done.set()
+        request_id = entry.request.request_id
+        if not request_id.startswith(_BATCH_ID_PREFIX):  # generate awaits its own rows
+            self._finished.append(request_id)
+            self._finished_ready.notify_all()
+
+    def _take_finished(self) -> list[GenerateResult]:
+        """Remove and return the finished results nobody collected yet (caller holds the state lock).
+
+        A failed request raises here; it is forgotten, while the results taken before it go back to the
+        front of the line, so the next call still hands them over in finish order.
+        """
+        taken: list[str] = []
+        while self._finished:
+            request_id = self._finished.popleft()
+            error = self._entries[request_id].error
+            if error is not None:
+                del self._entries[request_id]
+                self._finished.extendleft(reversed(taken))
+                raise RuntimeError(f"generation of request {request_id!r} failed: {error}") from error
+            taken.append(request_id)
+        results = []
+        for request_id in taken:
+            result = self._entries.pop(request_id).result
+            assert result is not None  # finished without an error: a result was published
+            results.append(result)
+        return results
 
     def _check_serving(self) -> None:
         """Raise unless new work is accepted (caller holds the state lock)."""

@@ -1,0 +1,203 @@
+"""What the rollout scheduler asks of the workers, and its two implementations.
+
+The scheduler (``roll.rollout.scheduler``) decides; a ``RolloutBackend`` does the I/O: send a group's
+requests to a rollout worker, abort requests, send finished responses to the reward workers, and
+``poll`` for whatever came back. Keeping the I/O behind this seam lets the scheduler run against a
+fake backend with controlled latencies in tests (deterministic, no Ray).
+
+- ``RayBackend``: rollout workers serving single requests (``RolloutRouter``), reward workers scoring
+  responses as they arrive, all calls non-blocking and awaited together (``wait_any``).
+- ``BatchBackend``: a cluster that only generates whole batches (the actor with
+  ``rollout.hybrid_engine``): the requests sent since the last poll become one batch generation.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from roll.data.batch import Batch
+from roll.data.padding import left_pad, right_pad
+from roll.distributed.cluster import Cluster, ClusterFuture, wait_any
+from roll.rollout.router import RolloutRouter
+from roll.strategies.infer.base import GenerateRequest, GenerateResult
+
+__all__ = ["BatchBackend", "Events", "RayBackend", "RolloutBackend", "ScoreJob", "Scored"]
+
+
+@dataclass
+class ScoreJob:
+    """One finished response to score: what the reward function reads."""
+
+    request_id: str
+    prompt_text: str
+    response_text: str
+    sample: dict
+    response_ids: list[int]
+
+
+@dataclass
+class Scored:
+    """A reward worker's verdict on one response."""
+
+    request_id: str
+    score: float
+    token_rewards: list[float] | None = None
+
+
+@dataclass
+class Events:
+    """What came back during one ``poll``."""
+
+    generated: list[GenerateResult] = field(default_factory=list)
+    scored: list[Scored] = field(default_factory=list)
+
+
+class RolloutBackend(abc.ABC):
+    """Generation and reward I/O for the scheduler. Only the scheduler's pumping thread calls it."""
+
+    num_workers: int
+
+    @abc.abstractmethod
+    def submit(self, worker: int, requests: Sequence[GenerateRequest]) -> None:
+        """Send ``requests`` (one or more whole groups) to rollout worker ``worker``; returns at once."""
+
+    @abc.abstractmethod
+    def abort(self, worker: int, request_ids: Sequence[str]) -> None:
+        """Abort requests on ``worker``; each still comes back (finish_reason "abort" or its real end)."""
+
+    @abc.abstractmethod
+    def score(self, jobs: Sequence[ScoreJob]) -> None:
+        """Send finished responses to the reward workers; returns at once."""
+
+    @abc.abstractmethod
+    def poll(self, timeout_s: float) -> Events:
+        """Wait up to ``timeout_s`` for results; returns what arrived (possibly nothing)."""
+
+
+def score_batch(jobs: Sequence[ScoreJob], pad_id: int) -> Batch:
+    """The reward workers' input for ``jobs``: texts, dataset rows and the response token ids."""
+    ids, mask = right_pad([job.response_ids or [pad_id] for job in jobs], pad_id)
+    mask = mask * torch.tensor([bool(job.response_ids) for job in jobs], dtype=mask.dtype).unsqueeze(1)
+    return Batch(
+        tensors={"response_ids": ids, "response_mask": mask},
+        non_tensors={
+            "prompt_text": [job.prompt_text for job in jobs],
+            "response_text": [job.response_text for job in jobs],
+            "sample": [job.sample for job in jobs],
+        },
+    )
+
+
+def scored_from(jobs: Sequence[ScoreJob], out: Batch) -> list[Scored]:
+    token_rewards = out["token_rewards"] if "token_rewards" in out else [None] * len(jobs)
+    return [
+        Scored(job.request_id, float(score), rewards)
+        for job, score, rewards in zip(jobs, out["scores"].tolist(), token_rewards)
+    ]
+
+
+class RayBackend(RolloutBackend):
+    """Rollout workers take single requests through ``router``; ``reward`` workers score responses in
+    calls of their own. Every call is non-blocking and ``poll`` waits on all of them at once, so a reward
+    is computed while the rest of the batch still generates."""
+
+    def __init__(self, router: RolloutRouter, reward: Cluster, pad_id: int):
+        self.router, self.reward, self.pad_id = router, reward, pad_id
+        self.num_workers = router.num_workers
+        self._reward_calls: dict[ClusterFuture, tuple[int, list[ScoreJob]]] = {}
+        self._reward_load = [0] * reward.world_size
+
+    def submit(self, worker: int, requests: Sequence[GenerateRequest]) -> None:
+        self.router.send(worker, requests)
+
+    def abort(self, worker: int, request_ids: Sequence[str]) -> None:
+        self.router.abort(worker, request_ids)
+
+    def score(self, jobs: Sequence[ScoreJob]) -> None:
+        """Spread ``jobs`` over the reward workers with the fewest responses outstanding."""
+        shares = min(len(jobs), self.reward.world_size)
+        for part in range(shares):
+            chunk = list(jobs[part::shares])
+            rank = min(range(self.reward.world_size), key=self._reward_load.__getitem__)
+            future = self.reward.call_rank(
+                rank, "compute_rewards", score_batch(chunk, self.pad_id), blocking=False
+            )
+            self._reward_calls[future] = (rank, chunk)
+            self._reward_load[rank] += len(chunk)
+
+    def poll(self, timeout_s: float) -> Events:
+        futures = [*self.router.outstanding(), *self._reward_calls]
+        events = Events()
+        for future in wait_any(futures, timeout_s):
+            if future in self._reward_calls:
+                rank, jobs = self._reward_calls.pop(future)
+                self._reward_load[rank] -= len(jobs)
+                events.scored += scored_from(jobs, future.get())
+            else:
+                events.generated += self.router.take(future)
+        return events
+
+
+class BatchBackend(RolloutBackend):
+    """For a ``generator`` cluster with batch ``generate`` only (the actor as hybrid engine): ``poll``
+    generates every request sent since the last poll in one call (one call per distinct sampling
+    params), then scores pending responses in one reward call. Results carry no weight versions: they
+    come from the generator's current weights."""
+
+    num_workers = 1
+
+    def __init__(self, generator: Cluster, reward: Cluster, pad_id: int):
+        self.generator, self.reward, self.pad_id = generator, reward, pad_id
+        self._requests: list[GenerateRequest] = []
+        self._aborted: list[GenerateResult] = []
+        self._jobs: list[ScoreJob] = []
+
+    def submit(self, worker: int, requests: Sequence[GenerateRequest]) -> None:
+        self._requests += requests
+
+    def abort(self, worker: int, request_ids: Sequence[str]) -> None:
+        # Nothing generates between polls: an abort always lands before generation, as an empty result.
+        dropped = set(request_ids)
+        self._aborted += [
+            GenerateResult(r.request_id, [], [], "abort") for r in self._requests if r.request_id in dropped
+        ]
+        self._requests = [r for r in self._requests if r.request_id not in dropped]
+
+    def score(self, jobs: Sequence[ScoreJob]) -> None:
+        self._jobs += jobs
+
+    def poll(self, timeout_s: float) -> Events:
+        events = Events(generated=self._aborted)
+        self._aborted = []
+        requests, self._requests = self._requests, []
+        for params in dict.fromkeys(r.params for r in requests):
+            same = [r for r in requests if r.params == params]
+            events.generated += self._generate(same)
+        jobs, self._jobs = self._jobs, []
+        if jobs:
+            batch, _ = score_batch(jobs, self.pad_id).pad_to_divisor(self.reward.world_size)
+            events.scored += scored_from(jobs, self.reward.compute_rewards(batch))
+        return events
+
+    def _generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        ids, mask = left_pad([r.prompt_ids for r in requests], self.pad_id)
+        batch, _ = Batch(tensors={"prompt_ids": ids, "prompt_mask": mask}).pad_to_divisor(
+            self.generator.world_size
+        )
+        out = self.generator.generate(batch, requests[0].params)
+        results = []
+        for row, request in enumerate(requests):
+            kept = out["response_mask"][row].bool()
+            results.append(
+                GenerateResult(
+                    request.request_id,
+                    out["response_ids"][row][kept].tolist(),
+                    out["rollout_logprobs"][row][kept].tolist(),
+                    out["finish_reason"][row],
+                )
+            )
+        return results

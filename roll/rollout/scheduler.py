@@ -1,0 +1,518 @@
+"""The rollout scheduler: every sample from request to reward, so that nothing waits that need not.
+
+The pipeline asks ``scheduler.next_batch(step)`` for a training batch. Behind that call:
+
+- Prompts are drawn from the dataset a group at a time (``num_return_sequences`` samples of one
+  prompt) and each group goes whole to the rollout worker with the fewest requests in flight, up to
+  ``max_running_requests`` per worker (``LoadBalancer.place_groups``).
+- A response is sent to a reward worker as soon as it is generated, while the rest still generate.
+- When a group is fully scored, the group filters decide (dynamic sampling): a kept group waits for
+  its batch, a filtered one is dropped and another prompt is drawn in its place. Prompts in flight
+  beyond what the batch still needs are bounded by ``max_additional_running_prompts``.
+- The batch takes the first ``rollout_batch_size`` kept groups *in the order their prompts were
+  drawn*: taking them in order of completion would favour short responses.
+- Synchronous (``async_generation_ratio`` = 0): generation runs only inside ``next_batch``; once the
+  batch is full, requests still running are aborted and their prompts go back to the front of the
+  queue. With one sample per row and the same split over workers, a batch is the one that batch
+  generation followed by batch scoring would give on the same seed.
+- Asynchronous (ratio r > 0): a background thread keeps generating for the next r steps while the
+  actor trains. Each token records the weights version that sampled it; after the weights move to
+  version v (``set_weights_version``), a group whose oldest token (or, still generating, whose
+  submission) predates v - r is aborted and its prompt drawn again, so no trained sample is more than
+  r versions old. Requests in flight across a weight update continue on the new weights.
+
+Every sample's transitions are timestamped (``roll.rollout.lifecycle``); ``next_batch`` returns the
+per-stage waits, filtered and aborted fractions, prompts used and staleness with the batch.
+``state_dict`` holds the dataset cursor and the prompts drawn but not yet trained on.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from roll.algorithms.filters import GroupOutcome, rejecting_filter
+from roll.data.batch import Batch
+from roll.data.dataset import PromptIterator
+from roll.data.padding import left_pad, right_pad
+from roll.data.prompts import PromptSet
+from roll.rollout.backend import Events, RolloutBackend, Scored, ScoreJob
+from roll.rollout.lifecycle import Sample, SampleState, stage_seconds
+from roll.rollout.load_balancer import LoadBalancer
+from roll.strategies.infer.base import GenerateRequest, GenerateResult
+from roll.strategies.sampling import SamplingParams
+
+__all__ = ["PromptGroup", "RolloutScheduler", "SchedulerSpec"]
+
+S = SampleState
+
+
+@dataclass
+class SchedulerSpec:
+    """The scheduler's options; fields named as in the ``rollout`` config section."""
+
+    rollout_batch_size: int
+    num_return_sequences: int
+    group_filters: list[str] = field(default_factory=list)
+    max_additional_running_prompts: int | None = None
+    max_prompts_per_step: int | None = None
+    async_generation_ratio: int = 0
+    max_running_requests: int | None = None
+
+    @property
+    def additional_prompts(self) -> int:
+        """Prompts that may generate beyond what the batch still needs (only with group filters)."""
+        if not self.group_filters:
+            return 0
+        extra = self.max_additional_running_prompts
+        return self.rollout_batch_size if extra is None else extra
+
+    @property
+    def prompt_budget(self) -> int:
+        """Most fresh prompts drawn between two batches."""
+        return self.max_prompts_per_step or 8 * self.rollout_batch_size
+
+
+@dataclass
+class PromptGroup:
+    """One drawn prompt and its samples."""
+
+    group_id: int
+    prompt_index: int
+    samples: list[Sample]
+    params: SamplingParams
+    worker: int | None = None
+    submit_version: int = 0  # weights version when its requests were sent
+    kept: bool | None = None  # None until every sample is scored and the filters have spoken
+    fallback: bool = False  # a filtered group that filled a batch once the prompt budget was spent
+
+    @property
+    def resolved(self) -> bool:
+        return self.kept is not None
+
+    def oldest_version(self) -> int:
+        """The oldest weights version any of its tokens came from (submission version while unknown)."""
+        versions = [v for s in self.samples if s.result for v in s.result.weight_versions]
+        return min(versions, default=self.submit_version)
+
+
+class RolloutScheduler:
+    """Owns each sample's lifecycle and hands the pipeline full training batches.
+
+    Args:
+        backend: the I/O to rollout and reward workers.
+        prompts: the training prompts (token ids, texts, dataset rows).
+        prompt_order: the dataset cursor (seeded, resumable).
+        spec: batch size, group size, filters, async ratio, per-worker cap.
+        params: sampling parameters of every request.
+        tokenizer: decodes responses for the reward and gives the pad id.
+        clock: the time source of the lifecycle timestamps (tests pass a virtual one).
+        poll_s: how long one pump waits for results before it looks at the state again.
+        params_for: sampling parameters per dataset row (e.g. a per-row token budget); unset: ``params``
+            for every request.
+    """
+
+    def __init__(
+        self,
+        backend: RolloutBackend,
+        prompts: PromptSet,
+        prompt_order: PromptIterator,
+        spec: SchedulerSpec,
+        params: SamplingParams,
+        tokenizer: Any,
+        clock: Callable[[], float] = time.monotonic,
+        poll_s: float = 0.02,
+        params_for: Callable[[dict], SamplingParams] | None = None,
+    ):
+        self.backend, self.prompts, self.prompt_order = backend, prompts, prompt_order
+        self.spec, self.params, self.tokenizer = spec, params, tokenizer
+        self.clock, self.poll_s = clock, poll_s
+        self.params_for = params_for or (lambda row: params)
+        self.pad_id = tokenizer.pad_token_id
+        self.balancer = LoadBalancer(backend.num_workers)
+        self.weights_version = 0
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._prompt_queue: collections.deque[int] = collections.deque()  # drawn, not yet in a group
+        self._requeued = 0  # how many at the front of the queue came back from dropped groups
+        self._groups: dict[int, PromptGroup] = {}  # live groups in draw order
+        self._samples: dict[str, Sample] = {}  # live samples by request id
+        self._unsent: collections.deque[int] = collections.deque()  # group ids waiting for a worker
+        self._filtered: collections.deque[PromptGroup] = collections.deque(maxlen=spec.rollout_batch_size)
+        self._scoring = 0  # responses at the reward workers, dropped ones included
+        self._next_group_id = 0
+        self._waiting = False  # a next_batch call wants a batch
+        self._fresh_since_batch = 0
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # ----- the pipeline's calls ----------------------------------------------------------------------
+
+    def next_batch(self, step: int) -> tuple[Batch, dict[str, float]]:
+        """The next training batch (``rollout_batch_size`` groups) and its rollout metrics."""
+        with self._lock:
+            self._waiting = True
+            self._changed.notify_all()
+        try:
+            if self.spec.async_generation_ratio and self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._pump_forever, name="rollout-scheduler", daemon=True
+                )
+                self._thread.start()
+            groups = self._wait_for_batch()
+        finally:
+            with self._lock:
+                self._waiting = False
+        if not self.spec.async_generation_ratio:
+            self._drop_all_live()  # synchronous: nothing generates while the actor trains
+        with self._lock:
+            return self._assemble(groups), self._metrics(groups)
+
+    def set_weights_version(self, version: int) -> None:
+        """The rollout workers now hold weights ``version``: older in-flight work may become stale."""
+        with self._lock:
+            self.weights_version = version
+            self._changed.notify_all()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The dataset cursor and the prompts drawn but not trained on (in flight, scored or queued), in
+        order: a scheduler that loads it draws them again first, then continues the dataset."""
+        with self._lock:
+            pending = [g.prompt_index for g in self._groups.values()] + list(self._prompt_queue)
+            return {"prompt_order": self.prompt_order.state_dict(), "pending_prompts": pending}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            if self._groups or self._prompt_queue:
+                raise RuntimeError("load_state_dict must come before the scheduler draws any prompt")
+            self.prompt_order.load_state_dict(state["prompt_order"])
+            self._prompt_queue.extend(int(i) for i in state["pending_prompts"])
+            self._requeued = len(self._prompt_queue)
+
+    def close(self) -> None:
+        """Stop the background thread and abort every request in flight."""
+        with self._lock:
+            self._closed = True
+            self._changed.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        try:
+            self._drop_all_live(wait=False)
+        except Exception:  # noqa: BLE001 - workers may already be gone at shutdown
+            pass
+
+    # ----- pumping: draw, send, poll, react ------------------------------------------------------------
+
+    def _wait_for_batch(self) -> list[PromptGroup]:
+        if self.spec.async_generation_ratio:
+            with self._changed:
+                while True:
+                    if self._error is not None:
+                        raise RuntimeError(f"the rollout scheduler failed: {self._error}") from self._error
+                    groups = self._take_batch()
+                    if groups is not None:
+                        return groups
+                    self._changed.wait(1.0)
+        while True:
+            with self._lock:
+                groups = self._take_batch()
+            if groups is not None:
+                return groups
+            self._pump(self.poll_s)
+
+    def _pump_forever(self) -> None:
+        try:
+            while not self._closed:
+                self._pump(self.poll_s)
+        except BaseException as error:  # noqa: BLE001 - handed to the pipeline's next_batch
+            with self._lock:
+                self._error = error
+                self._changed.notify_all()
+
+    def _pump(self, timeout_s: float) -> None:
+        """One round: drop stale work, draw and send what is wanted, wait for results, react to them."""
+        with self._lock:
+            self._drop_stale()
+            self._draw()
+            self._send()
+        events = self.backend.poll(timeout_s)
+        with self._lock:
+            self._react(events)
+            self._changed.notify_all()
+
+    def _draw(self) -> None:
+        """Draw prompts until enough are live for the batches wanted (the current one while
+        ``next_batch`` waits, and the next ``async_generation_ratio`` ones), plus the additional ones
+        dynamic sampling allows, within the prompt budget."""
+        spec = self.spec
+        wanted = (spec.async_generation_ratio + int(self._waiting)) * spec.rollout_batch_size
+        kept = sum(1 for g in self._groups.values() if g.kept)
+        missing = wanted - kept
+        if missing <= 0:
+            return
+        unresolved = sum(1 for g in self._groups.values() if not g.resolved)
+        while unresolved < missing + spec.additional_prompts:
+            index = self._next_prompt()
+            if index is None:
+                return
+            self._new_group(index)
+            unresolved += 1
+
+    def _next_prompt(self) -> int | None:
+        """The next prompt index: dropped groups' prompts first, then the dataset (within budget)."""
+        if self._requeued:
+            self._requeued -= 1
+            return self._prompt_queue.popleft()
+        if self._fresh_since_batch >= self.spec.prompt_budget:
+            return None
+        if not self._prompt_queue:
+            self._prompt_queue.extend(self.prompt_order.next_indices())
+        self._fresh_since_batch += 1
+        return self._prompt_queue.popleft()
+
+    def _new_group(self, prompt_index: int) -> None:
+        group_id = self._next_group_id
+        self._next_group_id += 1
+        samples = [Sample(f"g{group_id}-{i}", group_id, i) for i in range(self.spec.num_return_sequences)]
+        now = self.clock()
+        for sample in samples:
+            sample.times[S.QUEUED] = now
+            self._samples[sample.request_id] = sample
+        params = self.params_for(self.prompts.rows[prompt_index])
+        self._groups[group_id] = PromptGroup(group_id, prompt_index, samples, params)
+        self._unsent.append(group_id)
+
+    def _send(self) -> None:
+        """Send the queued groups that fit, each whole to one worker, one call per worker."""
+        groups = [self._groups[g] for g in self._unsent]
+        workers = self.balancer.place_groups([len(g.samples) for g in groups], self.spec.max_running_requests)
+        if not workers:
+            return
+        now = self.clock()
+        per_worker: dict[int, list[GenerateRequest]] = {}
+        for group, worker in zip(groups, workers):
+            self._unsent.popleft()
+            group.worker, group.submit_version = worker, self.weights_version
+            prompt_ids = self.prompts.token_ids[group.prompt_index]
+            for sample in group.samples:
+                self.balancer.assign_to(sample.request_id, worker)
+                sample.move(S.GENERATING, now)
+                request = GenerateRequest(sample.request_id, prompt_ids, group.params)
+                per_worker.setdefault(worker, []).append(request)
+            self._counts["samples_sent"] += len(group.samples)
+        for worker, requests in per_worker.items():
+            self.backend.submit(worker, requests)
+
+    def _react(self, events: Events) -> None:
+        now = self.clock()
+        jobs = [job for result in events.generated if (job := self._on_generated(result, now)) is not None]
+        if jobs:
+            self._scoring += len(jobs)
+            self.backend.score(jobs)
+        for scored in events.scored:
+            self._scoring -= 1
+            self._on_scored(scored, now)
+
+    def _on_generated(self, result: GenerateResult, now: float) -> ScoreJob | None:
+        self.balancer.finish(result.request_id)
+        sample = self._samples.get(result.request_id)
+        if sample is None or sample.state is not S.GENERATING:
+            return None  # dropped while it generated (stale, surplus, closing)
+        if result.finish_reason == "abort":  # aborted by someone else (e.g. an engine shut down)
+            self._drop_group(self._groups[sample.group_id], requeue=True)
+            return None
+        group = self._groups[sample.group_id]
+        sample.result = result
+        sample.response_text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        sample.move(S.REWARDING, now)
+        return ScoreJob(
+            sample.request_id,
+            self.prompts.texts[group.prompt_index],
+            sample.response_text,
+            self.prompts.rows[group.prompt_index],
+            list(result.token_ids),
+        )
+
+    def _on_scored(self, scored: Scored, now: float) -> None:
+        sample = self._samples.get(scored.request_id)
+        if sample is None or sample.state is not S.REWARDING:
+            return
+        sample.score, sample.token_rewards = scored.score, scored.token_rewards
+        sample.move(S.DONE, now)
+        group = self._groups[sample.group_id]
+        if all(s.state is S.DONE for s in group.samples):
+            self._resolve(group, now)
+
+    def _resolve(self, group: PromptGroup, now: float) -> None:
+        """Every sample is scored: the group filters decide whether it is trained on."""
+        outcome = GroupOutcome(
+            scores=torch.tensor([s.score for s in group.samples], dtype=torch.float32),
+            response_lengths=torch.tensor([len(s.result.token_ids) for s in group.samples]),
+            finish_reasons=tuple(s.result.finish_reason for s in group.samples),
+            sample=self.prompts.rows[group.prompt_index],
+        )
+        rejected = rejecting_filter(self.spec.group_filters, outcome)
+        self._counts["groups_resolved"] += 1
+        if rejected is None:
+            group.kept = True
+            return
+        group.kept = False
+        self._counts["groups_filtered"] += 1
+        self._counts[f"filtered_by/{rejected}"] += 1
+        for sample in group.samples:
+            sample.move(S.FILTERED, now)
+        self._forget(group)
+        self._filtered.append(group)
+
+    # ----- dropping work ----------------------------------------------------------------------------------
+
+    def _drop_group(self, group: PromptGroup, requeue: bool) -> None:
+        """Abort a live group's unfinished requests and forget it; its prompt is drawn again first."""
+        now = self.clock()
+        running = [s.request_id for s in group.samples if s.state is S.GENERATING]
+        if running:
+            self.backend.abort(group.worker, running)
+        for sample in group.samples:
+            if sample.state is not S.ABORTED:
+                if sample.state in (S.GENERATING, S.QUEUED):
+                    self._counts["samples_aborted"] += 1
+                sample.move(S.ABORTED, now)
+        # Aborted requests still come back and free their worker's slot; dropping the sample's
+        # record tells _on_generated to ignore them.
+        if group.worker is None:
+            self._unsent.remove(group.group_id)
+        self._forget(group)
+        if requeue:
+            self._prompt_queue.appendleft(group.prompt_index)
+            self._requeued += 1
+
+    def _forget(self, group: PromptGroup) -> None:
+        del self._groups[group.group_id]
+        for sample in group.samples:
+            self._samples.pop(sample.request_id, None)
+
+    def _is_stale(self, group: PromptGroup) -> bool:
+        """Tokens (or, while unknown, the submission) older than the staleness bound allows."""
+        bound = self.weights_version - self.spec.async_generation_ratio
+        return group.worker is not None and group.oldest_version() < bound
+
+    def _drop_stale(self) -> None:
+        """Drop the stale groups (only the pumping thread calls the backend)."""
+        stale = [g for g in self._groups.values() if self._is_stale(g)]
+        for group in reversed(stale):  # requeued at the front in draw order
+            self._counts["groups_stale"] += 1
+            self._drop_group(group, requeue=True)
+
+    def _drop_all_live(self, wait: bool = True) -> None:
+        """Abort every live group (prompts go back to the front of the queue in draw order) and, with
+        ``wait``, wait until the workers have answered for every request, so that nothing runs while
+        the actor trains."""
+        with self._lock:
+            for group in reversed(list(self._groups.values())):
+                self._drop_group(group, requeue=True)
+        while wait and (sum(self.balancer.in_flight()) or self._scoring):
+            self._pump(self.poll_s)
+
+    # ----- the batch ----------------------------------------------------------------------------------
+
+    def _take_batch(self) -> list[PromptGroup] | None:
+        """The first ``rollout_batch_size`` kept groups in draw order, once every group drawn before
+        them is resolved; with the prompt budget spent and nothing left in flight, filtered groups fill
+        the rest. None while not ready (or while stale groups wait for the pumping thread to drop them)."""
+        if any(self._is_stale(g) for g in self._groups.values()):
+            return None
+        size = self.spec.rollout_batch_size
+        taken: list[PromptGroup] = []
+        for group in self._groups.values():
+            if not group.resolved:
+                break
+            taken.append(group)
+            if len(taken) == size:
+                break
+        if len(taken) < size:
+            if any(not g.resolved for g in self._groups.values()) or self._can_draw():
+                return None
+            fill = list(self._filtered)[-(size - len(taken)) :]
+            if len(taken) + len(fill) < size:
+                return None
+            for group in fill:
+                group.fallback = True
+            self._counts["fallback_groups"] += len(fill)
+            taken += fill
+        for group in taken:
+            if not group.fallback:
+                self._forget(group)
+        self._filtered.clear()
+        return sorted(taken, key=lambda g: g.group_id)
+
+    def _can_draw(self) -> bool:
+        return bool(self._requeued) or self._fresh_since_batch < self.spec.prompt_budget
+
+    def _assemble(self, groups: list[PromptGroup]) -> Batch:
+        """Rows in group order, samples in order: the layout batch generation of the same prompts gives."""
+        samples = [s for g in groups for s in g.samples]
+        prompt_index = [g.prompt_index for g in groups for _ in g.samples]
+        prompt_ids, prompt_mask = left_pad([self.prompts.token_ids[i] for i in prompt_index], self.pad_id)
+        results = [s.result for s in samples]
+        width = max(self.params.max_new_tokens, *(g.params.max_new_tokens for g in groups))
+        response_ids, response_mask = right_pad([r.token_ids for r in results], self.pad_id, width)
+        logprobs = torch.zeros(len(samples), width)
+        for row, result in enumerate(results):
+            logprobs[row, : len(result.logprobs)] = torch.tensor(result.logprobs)
+        return Batch(
+            tensors={
+                "prompt_ids": prompt_ids,
+                "prompt_mask": prompt_mask,
+                "response_ids": response_ids,
+                "response_mask": response_mask,
+                "rollout_logprobs": logprobs,
+                "group_index": torch.arange(len(groups)).repeat_interleave(self.spec.num_return_sequences),
+                "scores": torch.tensor([s.score for s in samples], dtype=torch.float32),
+            },
+            non_tensors={
+                "prompt_text": [self.prompts.texts[i] for i in prompt_index],
+                "sample": [self.prompts.rows[i] for i in prompt_index],
+                "response_text": [s.response_text for s in samples],
+                "finish_reason": [r.finish_reason for r in results],
+                "token_rewards": [s.token_rewards for s in samples],
+            },
+        )
+
+    def _metrics(self, groups: list[PromptGroup]) -> dict[str, float]:
+        """What this batch cost: prompts used, filtered and aborted shares, stage waits, staleness."""
+        now = self.clock()
+        counts, self._counts = self._counts, collections.Counter()
+        self._fresh_since_batch = 0
+        samples = [s for g in groups for s in g.samples]
+        stages: dict[str, list[float]] = collections.defaultdict(list)
+        for sample in samples:
+            for stage, seconds in stage_seconds(sample).items():
+                stages[stage].append(seconds)
+            stages["ready_wait"].append(now - sample.times[S.DONE])
+        staleness = [
+            self.weights_version - min(s.result.weight_versions, default=self.weights_version)
+            for s in samples
+        ]
+        resolved = counts["groups_resolved"]
+        metrics = {
+            "rollout/prompts_per_step": float(resolved),
+            "rollout/filtered_frac": counts["groups_filtered"] / resolved if resolved else 0.0,
+            "rollout/aborted_frac": counts["samples_aborted"] / max(counts["samples_sent"], 1),
+            "rollout/stale_groups": float(counts["groups_stale"]),
+            "rollout/fallback_groups": float(counts["fallback_groups"]),
+            "rollout/staleness_mean": sum(staleness) / len(staleness),
+            "rollout/staleness_max": float(max(staleness)),
+            **{f"rollout/{stage}_s": sum(v) / len(v) for stage, v in stages.items()},
+        }
+        for key, value in counts.items():
+            if key.startswith("filtered_by/"):
+                metrics[f"rollout/{key}"] = float(value)
+        return metrics

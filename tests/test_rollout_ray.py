@@ -1,0 +1,151 @@
+"""The rollout scheduler on Ray with the real engine: rollout workers serving single requests, reward
+workers scoring each response as it arrives."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from roll.data.dataset import PromptIterator
+from roll.data.prompts import PromptSet, render_prompt
+from roll.distributed.cluster import Cluster
+from roll.pipelines.common import prompt_batch
+from roll.rollout import RayBackend, RolloutRouter, RolloutScheduler, SchedulerSpec
+from roll.rollout.backend import ScoreJob
+from roll.strategies.sampling import SamplingParams
+from roll.workers.base import ModelSpec
+from roll.workers.reward import RewardWorker
+from roll.workers.rollout import RolloutWorker
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+PARAMS = SamplingParams(max_new_tokens=4, temperature=1.0)
+
+
+@dataclasses.dataclass
+class Holder:
+    model: ModelSpec
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> PromptSet:
+    rows = [{"prompt": f"{a}+{b}", "answer": str(a + b)} for a in range(1, 9) for b in (2, 7)]
+    texts = [render_prompt(tokenizer, r["prompt"], True) for r in rows]
+    return PromptSet(rows, texts, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts])
+
+
+def start(tiny_model_path: str, rollout_workers: int, reward: str = "exact_match") -> tuple[Cluster, Cluster]:
+    rollout = Cluster(
+        "rollout", RolloutWorker, rollout_workers, Holder(ModelSpec(path=tiny_model_path, seed=3))
+    )
+    scorer = Cluster("reward", RewardWorker, 1, reward, plugins=["rollout_test_rewards"])
+    rollout.setup()
+    return rollout, scorer
+
+
+def make_scheduler(rollout, scorer, prompts, tokenizer, backend=None, **spec) -> RolloutScheduler:
+    spec = SchedulerSpec(**{"rollout_batch_size": 4, "num_return_sequences": 4, **spec})
+    order = PromptIterator(prompts.rows, spec.rollout_batch_size, seed=1)
+    backend = backend or RayBackend(RolloutRouter(rollout), scorer, tokenizer.pad_token_id)
+    return RolloutScheduler(backend, prompts, order, spec, PARAMS, tokenizer)
+
+
+def test_sync_scheduler_gives_the_batch_of_batch_generation_then_batch_scoring(
+    tiny_model_path, prompts, tokenizer
+):
+    """Today's loop (generate the batch split over the workers, then score it) and the scheduler on fresh
+    workers with the same seed sample the same tokens and give the same rewards."""
+    rollout, scorer = start(tiny_model_path, 2)
+    try:
+        indices = PromptIterator(prompts.rows, 4, seed=1).next_indices()
+        batch = prompt_batch(prompts, indices, tokenizer.pad_token_id).repeat(4, interleave=True)
+        batch = batch.union(rollout.generate(batch.select_keys(["prompt_ids", "prompt_mask"]), PARAMS))
+        scores = scorer.compute_rewards(batch.select_keys(["prompt_text", "response_text", "sample"]))[
+            "scores"
+        ]
+    finally:
+        rollout.kill()
+    rollout, scorer2 = start(tiny_model_path, 2)
+    sched = make_scheduler(rollout, scorer2, prompts, tokenizer)
+    try:
+        got, metrics = sched.next_batch(1)
+    finally:
+        sched.close()
+        for cluster in (rollout, scorer, scorer2):
+            cluster.kill()
+    assert got["sample"] == batch["sample"]
+    assert torch.equal(got["response_ids"], batch["response_ids"])
+    assert torch.equal(got["response_mask"], batch["response_mask"])
+    assert torch.allclose(got["rollout_logprobs"], batch["rollout_logprobs"])
+    assert got["response_text"] == batch["response_text"]
+    assert got["finish_reason"] == batch["finish_reason"]
+    assert torch.equal(got["scores"], scores)
+    assert metrics["rollout/staleness_max"] == 0 and metrics["rollout/generate_s"] > 0
+
+
+class RecordingBackend(RayBackend):
+    """Notes when each response came back and when its reward was sent (driver clock)."""
+
+    def __init__(self, *args, clock, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.clock, self.generated_at, self.scored_at = clock, {}, {}
+
+    def score(self, jobs: list[ScoreJob]) -> None:
+        for job in jobs:
+            self.scored_at[job.request_id] = self.clock()
+        super().score(jobs)
+
+    def poll(self, timeout_s: float):
+        events = super().poll(timeout_s)
+        for result in events.generated:
+            self.generated_at[result.request_id] = self.clock()
+        return events
+
+
+def test_short_samples_are_scored_while_a_long_one_still_generates(tiny_model_path, prompts, tokenizer):
+    import time
+
+    rollout, scorer = start(tiny_model_path, 1)
+    backend = RecordingBackend(RolloutRouter(rollout), scorer, tokenizer.pad_token_id, clock=time.monotonic)
+    first = PromptIterator(prompts.rows, 4, seed=1).next_indices()[0]
+    long_row = prompts.rows[first]
+    spec = SchedulerSpec(rollout_batch_size=4, num_return_sequences=4)
+    sched = RolloutScheduler(
+        backend,
+        prompts,
+        PromptIterator(prompts.rows, 4, seed=1),
+        spec,
+        PARAMS,
+        tokenizer,
+        # The first prompt's samples may run to 28 tokens (a random model rarely stops); the rest 2.
+        params_for=lambda row: SamplingParams(max_new_tokens=28 if row is long_row else 2),
+    )
+    try:
+        batch, _ = sched.next_batch(1)
+    finally:
+        sched.close()
+        rollout.kill()
+        scorer.kill()
+    lengths = batch["response_mask"].sum(dim=1)
+    long_ids = [f"g0-{k}" for k in range(4) if lengths[k] > 2]
+    assert long_ids, "the long prompt's samples ran past the short budget"
+    short_scored = [t for rid, t in backend.scored_at.items() if not rid.startswith("g0-")]
+    assert max(short_scored) < min(backend.generated_at[rid] for rid in long_ids)
+
+
+def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tiny_model_path, prompts, tokenizer):
+    rollout, scorer = start(tiny_model_path, 2, reward="test_even_rows_agree")
+    sched = make_scheduler(rollout, scorer, prompts, tokenizer, group_filters=["equal_rewards"])
+    try:
+        for step in (1, 2):
+            batch, metrics = sched.next_batch(step)
+            groups = batch["scores"].view(4, 4)
+            assert (groups.max(dim=1).values > groups.min(dim=1).values).all()
+            assert all(int(s["answer"]) % 2 == 1 for s in batch["sample"])
+            assert metrics["rollout/filtered_frac"] > 0
+            assert metrics["rollout/prompts_per_step"] > 4
+    finally:
+        sched.close()
+        rollout.kill()
+        scorer.kill()
