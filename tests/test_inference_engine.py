@@ -8,12 +8,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from roll.distributed.load_balancer import LoadBalancer
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from roll.data.batch import Batch
 from roll.data.padding import left_pad
 from roll.models.loading import load_causal_lm
+from roll.rollout.load_balancer import LoadBalancer
 from roll.strategies import hf_generate
 from roll.strategies.infer import INFERENCE_ENGINES, GenerateRequest, GenerateResult
 from roll.strategies.infer.hf import HFEngine

@@ -221,6 +221,6 @@ def test_hybrid_engine_generates_on_the_actor_ranks(repo_root, tmp_path, ray_add
     rows = [row for row in metrics(out) if "time/step_s" in row]
     assert len(rows) == 3
     for row in rows:
-        assert row["time/generate_s"] > 0 and row["response/length_mean"] > 0
+        assert row["time/rollout_s"] > 0 and row["response/length_mean"] > 0
         assert "time/sync_s" not in row and "sync/gb_per_s" not in row  # nothing to send
     assert "eval/score" in rows[-1]

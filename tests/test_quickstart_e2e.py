@@ -35,8 +35,9 @@ def test_shortened_quickstart_learns(repo_root, tmp_path):
     # Every stage is timed and the run's artifacts exist.
     train_rows = [row for row in rows if "time/step_s" in row]
     for key in (
-        "time/generate_s",
-        "time/reward_s",
+        "time/rollout_s",
+        "rollout/generate_s",
+        "rollout/reward_s",
         "time/train_s",
         "time/sync_s",
         "reward/mean",

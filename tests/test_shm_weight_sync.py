@@ -217,22 +217,22 @@ def test_weight_sync_on_one_node_goes_through_shared_memory_or_falls_back(tiny_m
         zeros = {
             name: torch.zeros_like(t) for name, t in load_causal_lm(tiny_model_path).state_dict().items()
         }
-        rollout.load_weights(zeros, 0)
+        rollout.load_weights(zeros, 1)
         assert not torch.allclose(rollout.compute_logprobs(batch)["logprobs"], expected)
-        stats = shm.sync(version=1)
+        stats = shm.sync(version=2)
         torch.testing.assert_close(rollout.compute_logprobs(batch)["logprobs"], expected, atol=0, rtol=0)
         assert stats["path"] == "shm" and stats["bytes"] > 0 and stats["gb_per_s"] > 0
         assert {"write_s", "read_s"} <= stats.keys()
         with pytest.raises(ValueError, match="not newer"):
-            shm.sync(version=1)
+            shm.sync(version=2)
 
         # A shared-memory directory that is not there has no room: the collective path, with the reason.
         fallback = WeightSync(actor, rollout, bucket_bytes=4096, timeout_s=30, shm_dir=str(tmp_path / "none"))
         fallback.connect()
         assert fallback.path == COLLECTIVE and "0 MiB free" in fallback.reason
-        assert fallback.sync(version=2)["path"] == "gloo"
+        assert fallback.sync(version=3)["path"] == "gloo"
         # Versions keep moving forward across both paths.
-        assert shm.sync(version=3)["path"] == "shm"
+        assert shm.sync(version=4)["path"] == "shm"
         assert rollout.ping()  # still alive
         shm.close()
         shm.close()

@@ -142,11 +142,8 @@ class RolloutWorker(ModelWorker):
 
     @register(Dispatch.ONE_TO_ALL)
     def load_weights(self, state_dict: dict[str, Any], version: int) -> int:
-        """Replace the weights with ``state_dict`` (e.g. a checkpoint); ``version`` must move forward,
-        except that before any sync the model's own weights may be replaced as version 0 (other
-        weights to start the run from: nothing has moved the version on yet)."""
-        if not version == self.weights_version == INITIAL_WEIGHTS_VERSION:
-            self._check_newer(version)
+        """Replace the weights with ``state_dict`` (e.g. a checkpoint); ``version`` must move forward."""
+        self._check_newer(version)
         self.engine.load_weights(state_dict, version=version)
         self.weights_version = version
         return version

@@ -1,0 +1,684 @@
+"""Benchmark: a long-tail RLVR workload through three rollout loops, side by side in one run.
+
+What is measured: training samples per second of ``RLVRPipeline.step`` (rollout, logprobs, train,
+weight sync) when each step's batch comes from
+
+1. ``batch``: the loop before the rollout scheduler. Every request of the step is sent at once, split
+   contiguously over the rollout workers as batch generation splits a batch (worker 0 takes the first
+   share of the prompts), and the step waits for all of them; then the whole batch is scored in one
+   reward call (one share per reward worker); then the actor trains and the weights are synced.
+   ``BatchRollout`` below, with the scheduler's ``next_batch`` / ``set_weights_version`` / ``close``
+   and the same batch fields, swapped in as ``pipeline.scheduler``.
+2. ``scheduler``: ``roll.rollout.RolloutScheduler``, synchronous (``rollout.async_generation_ratio=0``):
+   each response is scored as soon as it is generated, while the rest still generate.
+3. ``async``: the same scheduler with ``rollout.async_generation_ratio=1``: the next batch generates
+   (and is scored) while the actor trains on this one, samples at most one weight version old.
+
+The workload: ``examples/quickstart.yaml`` (tiny random Qwen2, 2 layers, hidden 128; 8 prompts x 8
+samples per step; GRPO; no SFT warm start, no evaluation) with three changes.
+
+- Long-tail token budgets: every dataset row (the quickstart's addition prompts, written with a
+  ``budget`` field to a JSONL file in a temporary directory) carries its own ``max_new_tokens``, drawn
+  from a Pareto distribution (``--pareto-shape`` 1.3, minimum ``--min-tokens`` 4, capped at
+  ``--max-tokens`` 128, seeded): most groups want a handful of tokens, a few want a hundred. The
+  scheduler gets them through ``params_for``; all 8 samples of a prompt share its budget.
+- Responses that run to their budget: the character tokenizer's alphabet is widened by 1000 CJK
+  characters, so a random model samples EOS about once in a thousand tokens (the quickstart's 11
+  characters would stop most responses within 20 tokens). ``rollout.max_new_tokens`` is the cap, which
+  is also the width of every training batch, so the train step costs the same in every mode.
+- A slow reward: ``benchmarks/rollout_reward.py`` sleeps 20 ms per response (as a sandboxed code
+  reward waits on its sandbox), registered as ``slow_digits`` and imported by the Ray workers through
+  the config's ``imports:``.
+
+One pipeline (Ray workers for actor, rollout and reward, all on CPU without device mappings: the
+disaggregated layout ``check_async_generation`` accepts on a machine without GPUs) serves the three
+modes in turn: its own scheduler is closed and each mode's is swapped in, with a fresh dataset cursor
+on the same seed, so every mode trains on the same prompts (and budgets) in the same order. Weight
+versions (the step numbers) run on across the modes. The loaded config has
+``rollout.async_generation_ratio=1``, so that layout is validated as it would be for a real async run.
+
+Reported per mode (medians over the steps after ``--warmup``): samples per second (samples per step
+over the median step time; also over the summed time of all timed steps, which is what an async run
+averages to), the ratio of each to ``batch``, and where the time goes: the pipeline's
+``time/<stage>_s`` (rollout = waiting for ``next_batch``, logprobs, train, sync) and the rollout's
+per-sample stage times ``rollout/queue_s`` (waiting for a worker), ``rollout/generate_s`` (sent to
+generated; in ``batch`` mode until the whole batch is generated, when results are handed on),
+``rollout/reward_s`` (sent to the reward worker to scored) and ``rollout/ready_wait_s`` (scored to
+handed to the trainer), plus response lengths and staleness.
+
+``--fake``: the same three modes with a latency-simulating fake engine in place of the rollout
+workers' generation (``FakeEngineBackend``; clearly labelled "fake engine" in the output). Each
+request takes ``--fake-token-ms`` (default 10) per token of its budget in real time, however many run
+at once (a GPU decoding a small batch), holds no core, and returns random characters; aborts return
+the tokens made so far; each token carries the weights version of the moment it was sampled. Rewards,
+training and weight sync stay real. With no CPU shared between generation and training, this shows
+what the scheduler gains where generation has hardware of its own; the real-engine run shows it on
+this machine's cores.
+
+Run from the repository root (the Ray workers import ``benchmarks.rollout_reward`` from there)::
+
+    python benchmarks/rollout.py [--fake] [--steps 8] [--warmup 2] [--modes batch,scheduler,async]
+        [--reward-workers 1] [--rollout-workers 1] [--json FILE]
+
+About 3 minutes on 2 cores (each mode: 8 steps; Ray and the workers start once). Ray starts locally
+unless ``RAY_ADDRESS`` names a cluster to join.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import dataclasses
+import heapq
+import itertools
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from roll.distributed.cluster import wait_any
+from roll.rollout.backend import Events, RolloutBackend, ScoreJob, score_batch, scored_from
+from roll.rollout.lifecycle import Sample, SampleState, stage_seconds
+from roll.strategies.infer.base import GenerateRequest, GenerateResult
+
+REPO = Path(__file__).resolve().parent.parent
+QUICKSTART = REPO / "examples" / "quickstart.yaml"
+TRAIN_ROWS = REPO / "examples" / "data" / "addition" / "train.jsonl"
+REWARD_MODULE = "benchmarks.rollout_reward"
+REWARD_NAME = "slow_digits"  # benchmarks/rollout_reward.py
+MODES = ("batch", "scheduler", "async")
+
+# The quickstart's alphabet plus 1000 CJK characters: a random model then samples EOS about once in a
+# thousand tokens, so responses run to their budget.
+ALPHABET = "0123456789+" + "".join(chr(0x4E00 + i) for i in range(1000))
+
+# No SFT warm start, no evaluation (and no held-out set to load).
+COMMON_OVERRIDES = ["sft_warm_start=null", "eval.every_steps=0", "data.eval_path=null"]
+
+
+# --------------------------------------------------------------------------------------------- workload
+
+
+def pareto_budgets(count: int, shape: float, minimum: int, cap: int, seed: int) -> list[int]:
+    """``count`` token budgets: Pareto(``shape``) scaled to ``minimum``, floored, capped at ``cap``."""
+    rng = random.Random(f"benchmarks.rollout:{seed}")
+    return [min(cap, int(minimum * (1.0 - rng.random()) ** (-1.0 / shape))) for _ in range(count)]
+
+
+def write_dataset(path: Path, args: argparse.Namespace) -> list[int]:
+    """The quickstart's addition rows, each with a ``budget`` field, as JSONL at ``path``."""
+    rows = [json.loads(line) for line in TRAIN_ROWS.read_text().splitlines() if line.strip()]
+    rows = rows[: args.rows]
+    budgets = pareto_budgets(len(rows), args.pareto_shape, args.min_tokens, args.max_tokens, args.seed)
+    path.write_text("".join(json.dumps({**row, "budget": b}) + "\n" for row, b in zip(rows, budgets)))
+    return budgets
+
+
+def load_benchmark_config(args: argparse.Namespace, data_path: Path, output_dir: Path, total_steps: int):
+    from roll.config.loader import load_config
+
+    prompt_tokens = 10  # the quickstart's data.max_prompt_length
+    overrides = [
+        *COMMON_OVERRIDES,
+        f"output_dir={output_dir}",
+        f"steps={total_steps}",
+        f"seed={args.seed}",
+        f"imports=[{REWARD_MODULE}]",
+        f"reward={REWARD_NAME}",
+        f"data.train_path={data_path}",
+        f"data.max_prompt_length={prompt_tokens}",
+        f"model.tiny.alphabet={ALPHABET}",
+        f"model.tiny.max_position_embeddings={prompt_tokens + args.max_tokens}",
+        f"model.tiny.hidden_size={args.hidden}",
+        f"model.tiny.num_hidden_layers={args.layers}",
+        f"model.tiny.intermediate_size={4 * args.hidden}",
+        f"rollout.max_new_tokens={args.max_tokens}",
+        f"rollout.rollout_batch_size={args.prompts}",
+        f"rollout.num_return_sequences={args.group_size}",
+        f"rollout.world_size={args.rollout_workers}",
+        f"reward_world_size={args.reward_workers}",
+        # Validated as an async run: actor and rollout on CPU workers, apart (no device mappings).
+        "rollout.async_generation_ratio=1",
+        "actor.lr_scheduler=constant",  # the modes run one after another: the same LR for all
+        # Micro-batches by real tokens: a long response's group is not trained at the width of the rest.
+        f"actor.micro_batch_tokens={args.micro_batch_tokens}",
+    ]
+    return load_config(QUICKSTART, overrides)
+
+
+# ------------------------------------------------------------------------------------ the batch loop
+
+
+@dataclass
+class _Group:
+    prompt_index: int
+    params: Any  # SamplingParams
+    samples: list = field(default_factory=list)  # roll.rollout.lifecycle.Sample
+
+
+class BatchRollout:
+    """The rollout loop before the scheduler, behind the scheduler's interface.
+
+    ``next_batch``: draw ``rollout_batch_size`` prompts, send every request at once (the prompts split
+    contiguously over the rollout workers, as batch generation splits a batch), wait for all; score
+    every response in one reward call (``backend.score`` sends one share per reward worker), wait;
+    then the batch, laid out as ``RolloutScheduler._assemble`` lays it out, and the same rollout
+    metrics. Samples go through the same lifecycle states, so ``rollout/generate_s`` is, as batch
+    generation hands results on, the time until the whole batch is generated.
+    """
+
+    def __init__(self, backend, prompts, prompt_order, spec, params, tokenizer, params_for=None, poll_s=0.02):
+        self.backend, self.prompts, self.prompt_order = backend, prompts, prompt_order
+        self.spec, self.params, self.tokenizer = spec, params, tokenizer
+        self.params_for = params_for or (lambda row: params)
+        self.pad_id = tokenizer.pad_token_id
+        self.poll_s = poll_s
+        self.weights_version = 0
+        self._calls = itertools.count()
+
+    def next_batch(self, step: int):
+        S = SampleState
+        call = next(self._calls)
+        groups = []
+        for g, index in enumerate(self.prompt_order.next_indices()):
+            group = _Group(index, self.params_for(self.prompts.rows[index]))
+            group.samples = [
+                Sample(f"batch{call}-{g}-{k}", g, k) for k in range(self.spec.num_return_sequences)
+            ]
+            groups.append(group)
+        workers = self.backend.num_workers
+        start = time.monotonic()
+        per_worker: dict[int, list] = defaultdict(list)
+        for g, group in enumerate(groups):
+            worker = g * workers // len(groups)  # contiguous shares, worker 0 first
+            ids = self.prompts.token_ids[group.prompt_index]
+            for sample in group.samples:
+                sample.times[S.QUEUED] = start
+                sample.move(S.GENERATING, start)
+                per_worker[worker].append(GenerateRequest(sample.request_id, ids, group.params))
+        for worker, requests in per_worker.items():
+            self.backend.submit(worker, requests)
+        waiting = {s.request_id: s for group in groups for s in group.samples}
+        while waiting:
+            events = self.backend.poll(self.poll_s)
+            for result in events.generated:
+                if result.finish_reason == "abort":
+                    raise RuntimeError(f"request {result.request_id} was aborted by the engine")
+                waiting.pop(result.request_id).result = result
+        generated = time.monotonic()
+        jobs = []
+        for group in groups:
+            for sample in group.samples:
+                sample.response_text = self.tokenizer.decode(
+                    sample.result.token_ids, skip_special_tokens=True
+                )
+                sample.move(S.REWARDING, generated)
+                jobs.append(
+                    ScoreJob(
+                        sample.request_id,
+                        self.prompts.texts[group.prompt_index],
+                        sample.response_text,
+                        self.prompts.rows[group.prompt_index],
+                        list(sample.result.token_ids),
+                    )
+                )
+        self.backend.score(jobs)
+        waiting = {s.request_id: s for group in groups for s in group.samples}
+        while waiting:
+            events = self.backend.poll(self.poll_s)
+            now = time.monotonic()
+            for scored in events.scored:
+                sample = waiting.pop(scored.request_id)
+                sample.score, sample.token_rewards = scored.score, scored.token_rewards
+                sample.move(S.DONE, now)
+        return self._assemble(groups), self._metrics(groups)
+
+    def set_weights_version(self, version: int) -> None:
+        self.weights_version = version
+
+    def close(self) -> None:
+        pass  # nothing runs between two next_batch calls
+
+    def _assemble(self, groups: list[_Group]):
+        """The fields and layout of ``RolloutScheduler._assemble``."""
+        from roll.data.batch import Batch
+        from roll.data.padding import left_pad, right_pad
+
+        samples = [s for g in groups for s in g.samples]
+        prompt_index = [g.prompt_index for g in groups for _ in g.samples]
+        prompt_ids, prompt_mask = left_pad([self.prompts.token_ids[i] for i in prompt_index], self.pad_id)
+        results = [s.result for s in samples]
+        width = max(self.params.max_new_tokens, *(g.params.max_new_tokens for g in groups))
+        response_ids, response_mask = right_pad([r.token_ids for r in results], self.pad_id, width)
+        logprobs = torch.zeros(len(samples), width)
+        for row, result in enumerate(results):
+            logprobs[row, : len(result.logprobs)] = torch.tensor(result.logprobs)
+        return Batch(
+            tensors={
+                "prompt_ids": prompt_ids,
+                "prompt_mask": prompt_mask,
+                "response_ids": response_ids,
+                "response_mask": response_mask,
+                "rollout_logprobs": logprobs,
+                "group_index": torch.arange(len(groups)).repeat_interleave(self.spec.num_return_sequences),
+                "scores": torch.tensor([s.score for s in samples], dtype=torch.float32),
+            },
+            non_tensors={
+                "prompt_text": [self.prompts.texts[i] for i in prompt_index],
+                "sample": [self.prompts.rows[i] for i in prompt_index],
+                "response_text": [s.response_text for s in samples],
+                "finish_reason": [r.finish_reason for r in results],
+                "token_rewards": [s.token_rewards for s in samples],
+            },
+        )
+
+    def _metrics(self, groups: list[_Group]) -> dict[str, float]:
+        now = time.monotonic()
+        samples = [s for g in groups for s in g.samples]
+        stages: dict[str, list[float]] = defaultdict(list)
+        for sample in samples:
+            for stage, seconds in stage_seconds(sample).items():
+                stages[stage].append(seconds)
+            stages["ready_wait"].append(now - sample.times[SampleState.DONE])
+        staleness = [
+            self.weights_version - min(s.result.weight_versions, default=self.weights_version)
+            for s in samples
+        ]
+        return {
+            "rollout/prompts_per_step": float(len(groups)),
+            "rollout/filtered_frac": 0.0,
+            "rollout/aborted_frac": 0.0,
+            "rollout/staleness_mean": sum(staleness) / len(staleness),
+            "rollout/staleness_max": float(max(staleness)),
+            **{f"rollout/{stage}_s": sum(v) / len(v) for stage, v in stages.items()},
+        }
+
+
+# ------------------------------------------------------------------------------------- the fake engine
+
+
+class FakeEngineBackend(RolloutBackend):
+    """A ``RolloutBackend`` whose generation is simulated in real time; rewards go to the real reward
+    workers (``reward``, a Cluster of RewardWorker).
+
+    A request sent at time t ends at t + budget x ``token_s`` (its ``max_new_tokens``: every response
+    runs to its budget, finish reason "length"), however many run at once, without using a core. An
+    abort ends it at once with the tokens made so far. Token k carries the weights version in force
+    when it was sampled (``set_version`` records each change)."""
+
+    def __init__(self, reward, pad_id: int, num_workers: int, token_s: float, token_ids: Sequence[int]):
+        self.reward, self.pad_id, self.num_workers = reward, pad_id, num_workers
+        self.token_s, self.token_ids = token_s, list(token_ids)
+        self.logprob = -math.log(len(self.token_ids))
+        self.rng = random.Random(0)
+        self._lock = threading.Lock()
+        self._versions: list[tuple[float, int]] = [(-math.inf, 0)]
+        self._running: dict[str, tuple[float, Any]] = {}  # request id -> (start, request)
+        self._ends: list[tuple[float, int, str]] = []  # heap of (end time, order, request id)
+        self._order = itertools.count()
+        self._done: list = []  # results ready for the next poll (aborts)
+        self._reward_calls: dict[Any, list] = {}
+        self._reward_load = [0] * reward.world_size
+
+    def set_version(self, version: int) -> None:
+        with self._lock:
+            self._versions.append((time.monotonic(), version))
+
+    def submit(self, worker: int, requests) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for request in requests:
+                self._running[request.request_id] = (now, request)
+                end = now + request.params.max_new_tokens * self.token_s
+                heapq.heappush(self._ends, (end, next(self._order), request.request_id))
+
+    def abort(self, worker: int, request_ids) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for request_id in request_ids:
+                if request_id in self._running:
+                    start, request = self._running.pop(request_id)
+                    made = min(int((now - start) / self.token_s), request.params.max_new_tokens)
+                    self._done.append(self._result(request, start, made, "abort"))
+
+    def score(self, jobs) -> None:
+        shares = min(len(jobs), self.reward.world_size)
+        for part in range(shares):
+            chunk = list(jobs[part::shares])
+            rank = min(range(self.reward.world_size), key=self._reward_load.__getitem__)
+            future = self.reward.call_rank(
+                rank, "compute_rewards", score_batch(chunk, self.pad_id), blocking=False
+            )
+            self._reward_calls[future] = (rank, chunk)
+            self._reward_load[rank] += len(chunk)
+
+    def poll(self, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            events = Events()
+            now = time.monotonic()
+            with self._lock:
+                events.generated, self._done = self._done, []
+                while self._ends and self._ends[0][0] <= now:
+                    _, _, request_id = heapq.heappop(self._ends)
+                    if request_id in self._running:  # not aborted
+                        start, request = self._running.pop(request_id)
+                        budget = request.params.max_new_tokens
+                        events.generated.append(self._result(request, start, budget, "length"))
+                next_end = self._ends[0][0] if self._ends else math.inf
+            for future in wait_any(list(self._reward_calls), 0):
+                rank, jobs = self._reward_calls.pop(future)
+                self._reward_load[rank] -= len(jobs)
+                events.scored += scored_from(jobs, future.get())
+            if events.generated or events.scored or now >= deadline:
+                return events
+            wait = max(min(deadline, next_end) - now, 0.0)
+            if self._reward_calls:
+                wait_any(list(self._reward_calls), wait)
+            else:
+                time.sleep(wait)
+
+    def _result(self, request, start: float, tokens: int, reason: str):
+        times = [start + (k + 1) * self.token_s for k in range(tokens)]
+        moments = [t for t, _ in self._versions]
+        versions = [self._versions[bisect.bisect_right(moments, t) - 1][1] for t in times]
+        ids = [self.rng.choice(self.token_ids) for _ in range(tokens)]
+        return GenerateResult(request.request_id, ids, [self.logprob] * tokens, reason, versions)
+
+
+class VersionTap:
+    """Passes the pipeline's calls to a scheduler and tells the fake engine each new weights version."""
+
+    def __init__(self, inner, engine: FakeEngineBackend):
+        self.inner, self.engine = inner, engine
+
+    def next_batch(self, step: int):
+        return self.inner.next_batch(step)
+
+    def set_weights_version(self, version: int) -> None:
+        self.engine.set_version(version)
+        self.inner.set_weights_version(version)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+# ------------------------------------------------------------------------------------------------ runs
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    warmup: int
+    samples_per_step: int
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    max_budget: list[int] = field(default_factory=list)  # longest budget in each step's batch
+
+    def timed(self, key: str) -> list[float]:
+        return [m[key] for m in self.metrics[self.warmup :] if key in m]
+
+    def median(self, key: str) -> float:
+        values = self.timed(key)
+        return statistics.median(values) if values else float("nan")
+
+    def samples_per_s(self) -> float:
+        return self.samples_per_step / self.median("time/step_s")
+
+    def samples_per_s_total(self) -> float:
+        steps = self.timed("time/step_s")
+        return self.samples_per_step * len(steps) / sum(steps) if steps else float("nan")
+
+
+def run_modes(pipeline, args: argparse.Namespace) -> list[ModeResult]:
+    from roll.data.dataset import PromptIterator
+    from roll.rollout import RayBackend, RolloutRouter, RolloutScheduler
+
+    config, plan = pipeline.config, pipeline.plan
+    pad_id = pipeline.tokenizer.pad_token_id
+    sampling = plan.sampling
+    by_budget: dict[int, Any] = {}
+
+    def params_for(row: dict):
+        budget = int(row["budget"])
+        if budget not in by_budget:
+            by_budget[budget] = dataclasses.replace(sampling, max_new_tokens=budget)
+        return by_budget[budget]
+
+    pipeline.scheduler.close()  # the pipeline's own; each mode brings its own
+    real = RayBackend(RolloutRouter(pipeline.rollout), pipeline.reward, pad_id)
+    alphabet_ids = pipeline.tokenizer.convert_tokens_to_ids(list(ALPHABET))
+    samples = plan.prompts_per_step * plan.samples_per_prompt
+    step = 0
+    if args.warmup_steps:
+        # Every response at the cap: the actor meets the longest sequences before any mode is timed (the
+        # first long batch costs it several times what later ones do).
+        order = PromptIterator(pipeline.train_prompts.rows, plan.prompts_per_step, seed=config.seed + 1)
+        pipeline.scheduler = BatchRollout(
+            real, pipeline.train_prompts, order, plan.scheduler, sampling, pipeline.tokenizer
+        )
+        print(
+            f"[warm-up, every budget {sampling.max_new_tokens}] {args.warmup_steps} steps", end="", flush=True
+        )
+        try:
+            for _ in range(args.warmup_steps):
+                step += 1
+                print(f" {pipeline.step(step)['time/step_s']:.2f}s", end="", flush=True)
+            print(flush=True)
+        finally:
+            pipeline.scheduler = None
+    results = []
+    for mode in args.modes:
+        if args.fake:
+            backend = FakeEngineBackend(
+                pipeline.reward, pad_id, config.rollout.world_size, args.fake_token_ms / 1000, alphabet_ids
+            )
+            backend.set_version(step)
+        else:
+            backend = real  # one router for every mode: one collect_finished call open per worker
+        order = PromptIterator(pipeline.train_prompts.rows, plan.prompts_per_step, seed=config.seed)
+        common = (backend, pipeline.train_prompts, order)
+        if mode == "batch":
+            scheduler = BatchRollout(*common, plan.scheduler, sampling, pipeline.tokenizer, params_for)
+        else:
+            ratio = 1 if mode == "async" else 0
+            spec = dataclasses.replace(plan.scheduler, async_generation_ratio=ratio)
+            scheduler = RolloutScheduler(*common, spec, sampling, pipeline.tokenizer, params_for=params_for)
+        scheduler.set_weights_version(step)  # the rollout workers hold the weights of the last step
+        pipeline.scheduler = VersionTap(scheduler, backend) if args.fake else scheduler
+        result = ModeResult(mode, args.warmup, samples)
+        label = f"{mode} (fake engine)" if args.fake else mode
+        print(f"[{label}] {args.steps} steps", end="", flush=True)
+        try:
+            for _ in range(args.steps):
+                step += 1
+                metrics = pipeline.step(step)
+                result.metrics.append(metrics)
+                print(f" {metrics['time/step_s']:.2f}s", end="", flush=True)
+            print(flush=True)
+        finally:
+            pipeline.scheduler.close()
+            pipeline.scheduler = None
+        if mode == "scheduler":
+            # Synchronous: nothing is left in flight, so the next mode can share the router.
+            assert not any(scheduler.balancer.in_flight()), "requests left in flight"
+        result.max_budget = _max_budgets(pipeline, order, args.steps)
+        results.append(result)
+    return results
+
+
+def _max_budgets(pipeline, order, steps: int) -> list[int]:
+    """The longest token budget of each step's prompts (the same sequence in every mode)."""
+    from roll.data.dataset import PromptIterator
+
+    again = PromptIterator(pipeline.train_prompts.rows, order.batch_size, seed=order.seed)
+    return [
+        max(int(pipeline.train_prompts.rows[i]["budget"]) for i in again.next_indices()) for _ in range(steps)
+    ]
+
+
+# --------------------------------------------------------------------------------------------- report
+
+
+def machine_note() -> str:
+    import ray
+    import transformers
+
+    return (
+        f"machine: {os.cpu_count()} CPU cores, {platform.machine()}, python {platform.python_version()}, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}, ray {ray.__version__}"
+    )
+
+
+def fmt(seconds: float) -> str:
+    return "-" if seconds != seconds else f"{seconds:.3f}"
+
+
+STAGES = ["time/step_s", "time/rollout_s", "time/logprobs_s", "time/train_s", "time/sync_s"]
+ROLLOUT = ["rollout/queue_s", "rollout/generate_s", "rollout/reward_s", "rollout/ready_wait_s"]
+
+
+def report(results: list[ModeResult], args: argparse.Namespace, budgets: list[int]) -> str:
+    first = results[0]
+    engine = (
+        f"fake engine ({args.fake_token_ms:g} ms per token, no CPU)" if args.fake else "real engine (HF, CPU)"
+    )
+    timed = f"steps {first.warmup + 1}-{len(first.metrics)}"
+    tail = sorted(budgets)
+    lines = [
+        f"### rollout loops, {engine}: {args.prompts} prompts x {args.group_size} samples per step, "
+        f"token budgets Pareto(shape {args.pareto_shape:g}, min {args.min_tokens}, cap {args.max_tokens}) "
+        f"(dataset median {statistics.median(tail):g}, p90 {tail[int(0.9 * len(tail))]}, "
+        f"mean {statistics.mean(tail):.1f}), reward {REWARD_NAME} 20 ms per response, "
+        f"{args.rollout_workers} rollout / {args.reward_workers} reward worker(s); medians of {timed}",
+        "",
+        "longest budget per step (same in every mode): " + " ".join(map(str, first.max_budget)),
+        "",
+        "| mode | samples/s (median step) | x batch | samples/s (all timed steps) | x batch |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    base, base_total = first.samples_per_s(), first.samples_per_s_total()
+    for r in results:
+        label = f"{r.mode} (fake engine)" if args.fake else r.mode
+        lines.append(
+            f"| {label} | {r.samples_per_s():.1f} | {r.samples_per_s() / base:.2f} "
+            f"| {r.samples_per_s_total():.1f} | {r.samples_per_s_total() / base_total:.2f} |"
+        )
+    lines += [
+        "",
+        "where the time goes (s, medians; rollout/* are per-sample means of each step):",
+        "",
+        "| mode | "
+        + " | ".join(k.split("/")[1][:-2] for k in STAGES + ROLLOUT)
+        + " | resp tokens | staleness |",
+        "| --- " * (len(STAGES) + len(ROLLOUT) + 3) + "|",
+    ]
+    for r in results:
+        cells = [fmt(r.median(k)) for k in STAGES + ROLLOUT]
+        lines.append(
+            f"| {r.mode} | "
+            + " | ".join(cells)
+            + f" | {r.median('response/length_mean'):.1f} | {r.median('rollout/staleness_mean'):.2f} |"
+        )
+    lines += ["", "per-step times (s): step = rollout + logprobs + train + sync + the rest"]
+    for r in results:
+        lines.append(f"  {r.mode:9s} step    " + " ".join(f"{m['time/step_s']:.2f}" for m in r.metrics))
+        lines.append(f"  {'':9s} rollout " + " ".join(f"{m['time/rollout_s']:.2f}" for m in r.metrics))
+        lines.append(f"  {'':9s} train   " + " ".join(f"{m['time/train_s']:.2f}" for m in r.metrics))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fake", action="store_true", help="a latency-simulating fake engine generates")
+    parser.add_argument("--fake-token-ms", type=float, default=10.0, help="fake engine: ms per token")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated, in order: " + ", ".join(MODES)
+    )
+    parser.add_argument("--steps", type=int, default=8, help="steps per mode (default %(default)s)")
+    parser.add_argument("--warmup", type=int, default=2, help="leading steps of each mode left out")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=2, help="steps before the first mode, every response at the cap"
+    )
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step (rollout_batch_size)")
+    parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--pareto-shape", type=float, default=1.3)
+    parser.add_argument("--min-tokens", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=256, help="model width (MLP: 4x)")
+    parser.add_argument("--layers", type=int, default=4, help="model depth")
+    parser.add_argument("--micro-batch-tokens", type=int, default=1024, help="actor.micro_batch_tokens")
+    parser.add_argument("--rows", type=int, default=512, help="dataset rows (prompts) written")
+    parser.add_argument("--rollout-workers", type=int, default=1)
+    parser.add_argument("--reward-workers", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--output-dir", default=None, help="where the run writes (default: a temp dir, removed)"
+    )
+    parser.add_argument("--json", default=None, help="also write every step's metrics to this file")
+    args = parser.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown or not args.modes:
+        parser.error(f"--modes: choose from {', '.join(MODES)}")
+    if "async" in args.modes and args.modes[-1] != "async":
+        parser.error("--modes: async must come last (its requests are still in flight when it stops)")
+    if not 0 <= args.warmup < args.steps:
+        parser.error("--warmup must be below --steps")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.chdir(REPO)  # the Ray workers import benchmarks.rollout_reward from the driver's directory
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    import ray
+
+    from roll.pipelines.rlvr import RLVRPipeline
+
+    root = Path(args.output_dir or tempfile.mkdtemp(prefix="roll-rollout-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        budgets = write_dataset(root / "train.jsonl", args)
+        config = load_benchmark_config(
+            args, root / "train.jsonl", root / "run", args.warmup_steps + len(args.modes) * args.steps
+        )
+        start = time.perf_counter()
+        pipeline = RLVRPipeline(config)
+        print(f"pipeline ready in {time.perf_counter() - start:.1f} s", flush=True)
+        try:
+            results = run_modes(pipeline, args)
+        finally:
+            pipeline.shutdown()
+            ray.shutdown()
+    finally:
+        if args.output_dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    print()
+    print(machine_note())
+    print()
+    print(report(results, args, budgets))
+    if args.json:
+        Path(args.json).write_text(json.dumps({r.mode: r.metrics for r in results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
