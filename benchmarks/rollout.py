@@ -163,6 +163,9 @@ def load_benchmark_config(args: argparse.Namespace, data_path: Path, output_dir:
 # ------------------------------------------------------------------------------------ the batch loop
 
 
+_BATCH_CALLS = itertools.count()  # request ids stay unique across BatchRollout objects
+
+
 @dataclass
 class _Group:
     prompt_index: int
@@ -188,11 +191,10 @@ class BatchRollout:
         self.pad_id = tokenizer.pad_token_id
         self.poll_s = poll_s
         self.weights_version = 0
-        self._calls = itertools.count()
 
     def next_batch(self, step: int):
         S = SampleState
-        call = next(self._calls)
+        call = next(_BATCH_CALLS)
         groups = []
         for g, index in enumerate(self.prompt_order.next_indices()):
             group = _Group(index, self.params_for(self.prompts.rows[index]))
@@ -423,13 +425,13 @@ class VersionTap:
 @dataclass
 class ModeResult:
     mode: str
-    warmup: int
     samples_per_step: int
     metrics: list[dict[str, float]] = field(default_factory=list)
+    timed_steps: list[bool] = field(default_factory=list)  # False: a warm-up step of its block
     max_budget: list[int] = field(default_factory=list)  # longest budget in each step's batch
 
     def timed(self, key: str) -> list[float]:
-        return [m[key] for m in self.metrics[self.warmup :] if key in m]
+        return [m[key] for m, timed in zip(self.metrics, self.timed_steps) if timed and key in m]
 
     def median(self, key: str) -> float:
         values = self.timed(key)
@@ -444,12 +446,15 @@ class ModeResult:
 
 
 def run_modes(pipeline, args: argparse.Namespace) -> list[ModeResult]:
+    """``args.rounds`` rounds of one block of ``args.steps`` steps per mode; block ``r`` of every mode
+    trains on the same prompts (batches ``r * steps`` onwards of the seeded order)."""
     from roll.data.dataset import PromptIterator
     from roll.rollout import RayBackend, RolloutRouter, RolloutScheduler
 
     config, plan = pipeline.config, pipeline.plan
     pad_id = pipeline.tokenizer.pad_token_id
     sampling = plan.sampling
+    rows = pipeline.train_prompts.rows
     by_budget: dict[int, Any] = {}
 
     def params_for(row: dict):
@@ -458,76 +463,95 @@ def run_modes(pipeline, args: argparse.Namespace) -> list[ModeResult]:
             by_budget[budget] = dataclasses.replace(sampling, max_new_tokens=budget)
         return by_budget[budget]
 
-    pipeline.scheduler.close()  # the pipeline's own; each mode brings its own
-    real = RayBackend(RolloutRouter(pipeline.rollout), pipeline.reward, pad_id)
+    def prompt_order(skip_batches: int, seed: int = config.seed) -> PromptIterator:
+        order = PromptIterator(rows, plan.prompts_per_step, seed=seed)
+        for _ in range(skip_batches):
+            order.next_indices()
+        return order
+
+    pipeline.scheduler.close()  # the pipeline's own; each block brings its own
+    # One router for every block (one collect_finished call open per rollout worker), a backend per
+    # block: reward calls a closed scheduler left in flight end in its own backend, unread.
+    router = RolloutRouter(pipeline.rollout)
     alphabet_ids = pipeline.tokenizer.convert_tokens_to_ids(list(ALPHABET))
     samples = plan.prompts_per_step * plan.samples_per_prompt
     step = 0
     if args.warmup_steps:
         # Every response at the cap: the actor meets the longest sequences before any mode is timed (the
         # first long batch costs it several times what later ones do).
-        order = PromptIterator(pipeline.train_prompts.rows, plan.prompts_per_step, seed=config.seed + 1)
+        order = prompt_order(0, seed=config.seed + 1)
         pipeline.scheduler = BatchRollout(
-            real, pipeline.train_prompts, order, plan.scheduler, sampling, pipeline.tokenizer
+            RayBackend(router, pipeline.reward, pad_id),
+            pipeline.train_prompts,
+            order,
+            plan.scheduler,
+            sampling,
+            pipeline.tokenizer,
         )
-        print(
-            f"[warm-up, every budget {sampling.max_new_tokens}] {args.warmup_steps} steps", end="", flush=True
-        )
-        try:
-            for _ in range(args.warmup_steps):
-                step += 1
-                print(f" {pipeline.step(step)['time/step_s']:.2f}s", end="", flush=True)
-            print(flush=True)
-        finally:
-            pipeline.scheduler = None
-    results = []
-    for mode in args.modes:
-        if args.fake:
-            backend = FakeEngineBackend(
-                pipeline.reward, pad_id, config.rollout.world_size, args.fake_token_ms / 1000, alphabet_ids
-            )
-            backend.set_version(step)
-        else:
-            backend = real  # one router for every mode: one collect_finished call open per worker
-        order = PromptIterator(pipeline.train_prompts.rows, plan.prompts_per_step, seed=config.seed)
-        common = (backend, pipeline.train_prompts, order)
-        if mode == "batch":
-            scheduler = BatchRollout(*common, plan.scheduler, sampling, pipeline.tokenizer, params_for)
-        else:
-            ratio = 1 if mode == "async" else 0
-            spec = dataclasses.replace(plan.scheduler, async_generation_ratio=ratio)
-            scheduler = RolloutScheduler(*common, spec, sampling, pipeline.tokenizer, params_for=params_for)
-        scheduler.set_weights_version(step)  # the rollout workers hold the weights of the last step
-        pipeline.scheduler = VersionTap(scheduler, backend) if args.fake else scheduler
-        result = ModeResult(mode, args.warmup, samples)
-        label = f"{mode} (fake engine)" if args.fake else mode
-        print(f"[{label}] {args.steps} steps", end="", flush=True)
-        try:
-            for _ in range(args.steps):
-                step += 1
-                metrics = pipeline.step(step)
-                result.metrics.append(metrics)
-                print(f" {metrics['time/step_s']:.2f}s", end="", flush=True)
-            print(flush=True)
-        finally:
-            pipeline.scheduler.close()
-            pipeline.scheduler = None
-        if mode == "scheduler":
-            # Synchronous: nothing is left in flight, so the next mode can share the router.
-            assert not any(scheduler.balancer.in_flight()), "requests left in flight"
-        result.max_budget = _max_budgets(pipeline, order, args.steps)
-        results.append(result)
-    return results
+        print(f"[warm-up, every budget {sampling.max_new_tokens}]", end="", flush=True)
+        for _ in range(args.warmup_steps):
+            step += 1
+            print(f" {pipeline.step(step)['time/step_s']:.2f}s", end="", flush=True)
+        print(flush=True)
+        pipeline.scheduler = None
+    results = {mode: ModeResult(mode, samples) for mode in args.modes}
+    for round_ in range(args.rounds):
+        for mode in args.modes:
+            if args.fake:
+                backend = FakeEngineBackend(
+                    pipeline.reward,
+                    pad_id,
+                    config.rollout.world_size,
+                    args.fake_token_ms / 1000,
+                    alphabet_ids,
+                )
+                backend.set_version(step)
+            else:
+                backend = RayBackend(router, pipeline.reward, pad_id)
+            order = prompt_order(round_ * args.steps)
+            common = (backend, pipeline.train_prompts, order)
+            if mode == "batch":
+                scheduler = BatchRollout(*common, plan.scheduler, sampling, pipeline.tokenizer, params_for)
+            else:
+                spec = dataclasses.replace(plan.scheduler, async_generation_ratio=int(mode == "async"))
+                scheduler = RolloutScheduler(
+                    *common, spec, sampling, pipeline.tokenizer, params_for=params_for
+                )
+            scheduler.set_weights_version(step)  # what the rollout workers hold now
+            pipeline.scheduler = VersionTap(scheduler, backend) if args.fake else scheduler
+            result = results[mode]
+            label = f"{mode} (fake engine)" if args.fake else mode
+            print(f"[round {round_ + 1}: {label}]", end="", flush=True)
+            try:
+                for i in range(args.steps):
+                    step += 1
+                    metrics = pipeline.step(step)
+                    result.metrics.append(metrics)
+                    result.timed_steps.append(i >= args.warmup)
+                    print(f" {metrics['time/step_s']:.2f}s", end="", flush=True)
+                print(flush=True)
+            finally:
+                pipeline.scheduler.close()
+                pipeline.scheduler = None
+            if isinstance(scheduler, RolloutScheduler) and not args.fake:
+                drain(scheduler, backend)
+            again = prompt_order(round_ * args.steps)
+            result.max_budget += [
+                max(int(rows[i]["budget"]) for i in again.next_indices()) for _ in range(args.steps)
+            ]
+    return list(results.values())
 
 
-def _max_budgets(pipeline, order, steps: int) -> list[int]:
-    """The longest token budget of each step's prompts (the same sequence in every mode)."""
-    from roll.data.dataset import PromptIterator
-
-    again = PromptIterator(pipeline.train_prompts.rows, order.batch_size, seed=order.seed)
-    return [
-        max(int(pipeline.train_prompts.rows[i]["budget"]) for i in again.next_indices()) for _ in range(steps)
-    ]
+def drain(scheduler, backend, timeout_s: float = 60.0) -> None:
+    """Wait until every request a closed scheduler sent has come back from the rollout workers (an
+    async scheduler aborts those in flight when it closes), so that none reaches the next block's
+    scheduler through the shared router. Its reward calls still in flight are left to finish alone."""
+    deadline = time.monotonic() + timeout_s
+    while any(scheduler.balancer.in_flight()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"requests still in flight {timeout_s} s after the scheduler closed")
+        for result in backend.poll(0.1).generated:
+            scheduler.balancer.finish(result.request_id)
 
 
 # --------------------------------------------------------------------------------------------- report
@@ -543,6 +567,13 @@ def machine_note() -> str:
     )
 
 
+def count_parameters(model_dir: str) -> int:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return sum(p.numel() for p in model.parameters())
+
+
 def fmt(seconds: float) -> str:
     return "-" if seconds != seconds else f"{seconds:.3f}"
 
@@ -556,14 +587,18 @@ def report(results: list[ModeResult], args: argparse.Namespace, budgets: list[in
     engine = (
         f"fake engine ({args.fake_token_ms:g} ms per token, no CPU)" if args.fake else "real engine (HF, CPU)"
     )
-    timed = f"steps {first.warmup + 1}-{len(first.metrics)}"
+    timed = (
+        f"{len(first.timed('time/step_s'))} steps per mode ({args.rounds} rounds x {args.steps} steps, "
+        f"the first {args.warmup} of each block left out)"
+    )
     tail = sorted(budgets)
     lines = [
         f"### rollout loops, {engine}: {args.prompts} prompts x {args.group_size} samples per step, "
         f"token budgets Pareto(shape {args.pareto_shape:g}, min {args.min_tokens}, cap {args.max_tokens}) "
         f"(dataset median {statistics.median(tail):g}, p90 {tail[int(0.9 * len(tail))]}, "
         f"mean {statistics.mean(tail):.1f}), reward {REWARD_NAME} 20 ms per response, "
-        f"{args.rollout_workers} rollout / {args.reward_workers} reward worker(s); medians of {timed}",
+        f"{args.rollout_workers} rollout / {args.reward_workers} reward worker(s), model "
+        f"{args.params / 1e6:.2f}M params (hidden {args.hidden}, {args.layers} layers); medians of {timed}",
         "",
         "longest budget per step (same in every mode): " + " ".join(map(str, first.max_budget)),
         "",
@@ -593,11 +628,17 @@ def report(results: list[ModeResult], args: argparse.Namespace, budgets: list[in
             + " | ".join(cells)
             + f" | {r.median('response/length_mean'):.1f} | {r.median('rollout/staleness_mean'):.2f} |"
         )
-    lines += ["", "per-step times (s): step = rollout + logprobs + train + sync + the rest"]
+    lines += [
+        "",
+        "per-step times (s) in run order, (left out): step = rollout + logprobs + train + sync + rest",
+    ]
     for r in results:
-        lines.append(f"  {r.mode:9s} step    " + " ".join(f"{m['time/step_s']:.2f}" for m in r.metrics))
-        lines.append(f"  {'':9s} rollout " + " ".join(f"{m['time/rollout_s']:.2f}" for m in r.metrics))
-        lines.append(f"  {'':9s} train   " + " ".join(f"{m['time/train_s']:.2f}" for m in r.metrics))
+        for key, name in (("step", r.mode), ("rollout", ""), ("train", "")):
+            cells = [
+                f"{m[f'time/{key}_s']:.2f}" if timed else f"({m[f'time/{key}_s']:.2f})"
+                for m, timed in zip(r.metrics, r.timed_steps)
+            ]
+            lines.append(f"  {name:9s} {key:7s} " + " ".join(cells))
     return "\n".join(lines)
 
 
@@ -611,18 +652,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--modes", default=",".join(MODES), help="comma-separated, in order: " + ", ".join(MODES)
     )
-    parser.add_argument("--steps", type=int, default=8, help="steps per mode (default %(default)s)")
-    parser.add_argument("--warmup", type=int, default=2, help="leading steps of each mode left out")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of one block per mode, in turn")
+    parser.add_argument("--steps", type=int, default=5, help="steps per block (default %(default)s)")
+    parser.add_argument("--warmup", type=int, default=1, help="leading steps of each block left out")
     parser.add_argument(
         "--warmup-steps", type=int, default=2, help="steps before the first mode, every response at the cap"
     )
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step (rollout_batch_size)")
     parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
-    parser.add_argument("--pareto-shape", type=float, default=1.3)
-    parser.add_argument("--min-tokens", type=int, default=4)
+    parser.add_argument("--pareto-shape", type=float, default=1.2)
+    parser.add_argument("--min-tokens", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=256, help="model width (MLP: 4x)")
-    parser.add_argument("--layers", type=int, default=4, help="model depth")
+    parser.add_argument("--hidden", type=int, default=128, help="model width (MLP: 4x)")
+    parser.add_argument("--layers", type=int, default=6, help="model depth")
     parser.add_argument("--micro-batch-tokens", type=int, default=1024, help="actor.micro_batch_tokens")
     parser.add_argument("--rows", type=int, default=512, help="dataset rows (prompts) written")
     parser.add_argument("--rollout-workers", type=int, default=1)
@@ -637,8 +679,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [m for m in args.modes if m not in MODES]
     if unknown or not args.modes:
         parser.error(f"--modes: choose from {', '.join(MODES)}")
-    if "async" in args.modes and args.modes[-1] != "async":
-        parser.error("--modes: async must come last (its requests are still in flight when it stops)")
     if not 0 <= args.warmup < args.steps:
         parser.error("--warmup must be below --steps")
     return args
@@ -658,10 +698,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         budgets = write_dataset(root / "train.jsonl", args)
         config = load_benchmark_config(
-            args, root / "train.jsonl", root / "run", args.warmup_steps + len(args.modes) * args.steps
+            args,
+            root / "train.jsonl",
+            root / "run",
+            args.warmup_steps + args.rounds * len(args.modes) * args.steps,
         )
         start = time.perf_counter()
         pipeline = RLVRPipeline(config)
+        args.params = count_parameters(pipeline.model_path)
         print(f"pipeline ready in {time.perf_counter() - start:.1f} s", flush=True)
         try:
             results = run_modes(pipeline, args)
