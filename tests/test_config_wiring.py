@@ -17,7 +17,12 @@ from roll.workers.base import ModelSpec
 from roll.workers.rollout import RolloutSpec
 
 # A valid other value for options whose type alone does not give one.
-OTHER_VALUES = {"device_mapping": [0, 1], "model_path": "/models/value", "num_devices_per_worker": 2}
+OTHER_VALUES = {
+    "device_mapping": [0, 1],
+    "model_path": "/models/value",
+    "num_devices_per_worker": 2,
+    "group_filters": ["equal_rewards"],
+}
 # Options that only mean something together with another, set in both the plans compared.
 COMPANIONS = {"num_devices_per_worker": {"device_mapping": [0, 1, 2, 3]}}
 
