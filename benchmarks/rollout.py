@@ -8,60 +8,75 @@ weight sync) when each step's batch comes from
    share of the prompts), and the step waits for all of them; then the whole batch is scored in one
    reward call (one share per reward worker); then the actor trains and the weights are synced.
    ``BatchRollout`` below, with the scheduler's ``next_batch`` / ``set_weights_version`` / ``close``
-   and the same batch fields, swapped in as ``pipeline.scheduler``.
+   and the batch fields of ``RolloutScheduler._assemble``, swapped in as ``pipeline.scheduler``.
 2. ``scheduler``: ``roll.rollout.RolloutScheduler``, synchronous (``rollout.async_generation_ratio=0``):
    each response is scored as soon as it is generated, while the rest still generate.
 3. ``async``: the same scheduler with ``rollout.async_generation_ratio=1``: the next batch generates
    (and is scored) while the actor trains on this one, samples at most one weight version old.
 
-The workload: ``examples/quickstart.yaml`` (tiny random Qwen2, 2 layers, hidden 128; 8 prompts x 8
-samples per step; GRPO; no SFT warm start, no evaluation) with three changes.
+The workload: ``examples/quickstart.yaml`` (8 prompts x 8 samples per step, GRPO, no SFT warm start, no
+evaluation) with these changes.
 
-- Long-tail token budgets: every dataset row (the quickstart's addition prompts, written with a
-  ``budget`` field to a JSONL file in a temporary directory) carries its own ``max_new_tokens``, drawn
-  from a Pareto distribution (``--pareto-shape`` 1.3, minimum ``--min-tokens`` 4, capped at
-  ``--max-tokens`` 128, seeded): most groups want a handful of tokens, a few want a hundred. The
-  scheduler gets them through ``params_for``; all 8 samples of a prompt share its budget.
-- Responses that run to their budget: the character tokenizer's alphabet is widened by 1000 CJK
-  characters, so a random model samples EOS about once in a thousand tokens (the quickstart's 11
-  characters would stop most responses within 20 tokens). ``rollout.max_new_tokens`` is the cap, which
-  is also the width of every training batch, so the train step costs the same in every mode.
+- Long-tail token budgets: every dataset row (the quickstart's addition prompts, the first ``--rows``
+  512, written with a ``budget`` field to a JSONL file in a temporary directory) carries its own
+  ``max_new_tokens``, drawn from a Pareto distribution (``--pareto-shape`` 1.2, minimum ``--min-tokens``
+  16, capped at ``--max-tokens`` 128, seeded): the median row wants about 28 tokens, one in twelve
+  the cap; four batches in five hold a prompt that wants 64 or more, half of them one at the cap. The
+  scheduler gets the budgets through ``params_for``; all 8 samples of a prompt share its budget. (With
+  the minimum at 4 most responses are a handful of tokens and the 20 ms reward, not generation, is most
+  of the rollout: ``--min-tokens 4`` shows it.)
+- A random model whose responses run to their budget and whose decoding is latency-bound: the
+  quickstart's hidden size 128 with 6 layers (``--hidden``, ``--layers``; MLP 4x; 1.6M parameters),
+  and a character alphabet widened by 1000 CJK characters, so that the model samples EOS about once in
+  a thousand tokens (the quickstart's 11 characters would end most responses within 20 tokens).
+  ``rollout.max_new_tokens`` is the cap; ``actor.micro_batch_tokens=1024`` (``--micro-batch-tokens``)
+  trains in micro-batches of real tokens, so a short response is not trained at the width of the
+  longest one.
 - A slow reward: ``benchmarks/rollout_reward.py`` sleeps 20 ms per response (as a sandboxed code
-  reward waits on its sandbox), registered as ``slow_digits`` and imported by the Ray workers through
-  the config's ``imports:``.
+  reward waits on its sandbox; the sleep holds no core), registered as ``slow_digits`` and imported by
+  the Ray workers through the config's ``imports:``; 2 reward workers (``--reward-workers``), 1
+  rollout worker (``--rollout-workers``).
 
 One pipeline (Ray workers for actor, rollout and reward, all on CPU without device mappings: the
-disaggregated layout ``check_async_generation`` accepts on a machine without GPUs) serves the three
-modes in turn: its own scheduler is closed and each mode's is swapped in, with a fresh dataset cursor
-on the same seed, so every mode trains on the same prompts (and budgets) in the same order. Weight
-versions (the step numbers) run on across the modes. The loaded config has
-``rollout.async_generation_ratio=1``, so that layout is validated as it would be for a real async run.
+disaggregated layout ``check_async_generation`` accepts on a machine without GPUs) serves every mode:
+its own scheduler is closed and each mode's is swapped in. The loaded config has
+``rollout.async_generation_ratio=1``, so that layout is validated as it would be for an async run.
+First ``--warmup-steps`` (2) steps with every response at the cap, untimed: the actor's first long
+batch costs it several times what later ones do. Then ``--rounds`` (3) rounds, each one block of
+``--steps`` (5) steps per mode in turn (batch, scheduler, async), so that a change in the machine's
+load (these machines are shared) hits every mode alike; block r of every mode trains on the same
+prompts, hence the same budgets, in the same order (batches ``r * steps`` onwards of the seeded
+dataset order), and the first ``--warmup`` (1) step of each block is left out (async: the first batch
+has nothing generated ahead). Weight versions (the step numbers) run on across blocks. An async block
+leaves requests in flight when it closes; they are aborted and awaited before the next block starts.
 
-Reported per mode (medians over the steps after ``--warmup``): samples per second (samples per step
-over the median step time; also over the summed time of all timed steps, which is what an async run
-averages to), the ratio of each to ``batch``, and where the time goes: the pipeline's
-``time/<stage>_s`` (rollout = waiting for ``next_batch``, logprobs, train, sync) and the rollout's
-per-sample stage times ``rollout/queue_s`` (waiting for a worker), ``rollout/generate_s`` (sent to
-generated; in ``batch`` mode until the whole batch is generated, when results are handed on),
-``rollout/reward_s`` (sent to the reward worker to scored) and ``rollout/ready_wait_s`` (scored to
-handed to the trainer), plus response lengths and staleness.
+Reported per mode: samples per second (samples per step over the median step time; also over the
+summed time of all timed steps, which is what an async run averages to) and the ratio of each to
+``batch``; where the time goes (medians): the pipeline's ``time/<stage>_s`` (rollout = waiting for
+``next_batch``, train, sync; rest = the step less those and the logprobs pass, which this recipe
+skips) and the rollout's per-sample stage times ``rollout/queue_s`` (waiting for a worker),
+``rollout/generate_s`` (sent to generated; in ``batch`` mode until the whole batch is generated, when
+batch generation hands results on), ``rollout/reward_s`` (sent to a reward worker to scored) and
+``rollout/ready_wait_s`` (scored to handed to the trainer); response lengths, staleness, the share of
+requests aborted and the groups dropped as stale; and every step's times, with each step's longest
+budget.
 
 ``--fake``: the same three modes with a latency-simulating fake engine in place of the rollout
-workers' generation (``FakeEngineBackend``; clearly labelled "fake engine" in the output). Each
-request takes ``--fake-token-ms`` (default 10) per token of its budget in real time, however many run
-at once (a GPU decoding a small batch), holds no core, and returns random characters; aborts return
-the tokens made so far; each token carries the weights version of the moment it was sampled. Rewards,
-training and weight sync stay real. With no CPU shared between generation and training, this shows
-what the scheduler gains where generation has hardware of its own; the real-engine run shows it on
-this machine's cores.
+workers' generation (``FakeEngineBackend``; "fake engine" in the output). Each request takes
+``--fake-token-ms`` (default 10; the real engine takes 7-10 ms per decode step here) per token of its
+budget in real time, however many run at once (a GPU decoding a small batch), holds no core and
+returns random characters; an abort returns the tokens made so far; each token carries the weights
+version in force when it was sampled. Rewards, training, weight sync (to the idle real rollout worker)
+and the warm-up steps stay real. With no core shared between generation and training, it shows what
+the loops gain where generation has hardware of its own.
 
 Run from the repository root (the Ray workers import ``benchmarks.rollout_reward`` from there)::
 
-    python benchmarks/rollout.py [--fake] [--steps 8] [--warmup 2] [--modes batch,scheduler,async]
-        [--reward-workers 1] [--rollout-workers 1] [--json FILE]
+    python benchmarks/rollout.py [--fake] [--rounds 3] [--steps 5] [--warmup 1]
+        [--modes batch,scheduler,async] [--reward-workers 2] [--min-tokens 16] [--json FILE]
 
-About 3 minutes on 2 cores (each mode: 8 steps; Ray and the workers start once). Ray starts locally
-unless ``RAY_ADDRESS`` names a cluster to join.
+About 2 minutes on 2 cores (Ray and the workers start once). Ray starts locally unless
+``RAY_ADDRESS`` names a cluster to join.
 """
 
 from __future__ import annotations
@@ -304,6 +319,8 @@ class BatchRollout:
             "rollout/prompts_per_step": float(len(groups)),
             "rollout/filtered_frac": 0.0,
             "rollout/aborted_frac": 0.0,
+            "rollout/stale_groups": 0.0,
+            "rollout/fallback_groups": 0.0,
             "rollout/staleness_mean": sum(staleness) / len(staleness),
             "rollout/staleness_max": float(max(staleness)),
             **{f"rollout/{stage}_s": sum(v) / len(v) for stage, v in stages.items()},
@@ -333,7 +350,7 @@ class FakeEngineBackend(RolloutBackend):
         self._ends: list[tuple[float, int, str]] = []  # heap of (end time, order, request id)
         self._order = itertools.count()
         self._done: list = []  # results ready for the next poll (aborts)
-        self._reward_calls: dict[Any, list] = {}
+        self._reward_calls: dict[Any, tuple[int, list]] = {}  # future -> (rank, jobs)
         self._reward_load = [0] * reward.world_size
 
     def set_version(self, version: int) -> None:
@@ -526,6 +543,10 @@ def run_modes(pipeline, args: argparse.Namespace) -> list[ModeResult]:
                 for i in range(args.steps):
                     step += 1
                     metrics = pipeline.step(step)
+                    stages = ("rollout", "logprobs", "train", "sync")
+                    metrics["time/rest_s"] = metrics["time/step_s"] - sum(
+                        metrics.get(f"time/{stage}_s", 0.0) for stage in stages
+                    )
                     result.metrics.append(metrics)
                     result.timed_steps.append(i >= args.warmup)
                     print(f" {metrics['time/step_s']:.2f}s", end="", flush=True)
@@ -578,7 +599,7 @@ def fmt(seconds: float) -> str:
     return "-" if seconds != seconds else f"{seconds:.3f}"
 
 
-STAGES = ["time/step_s", "time/rollout_s", "time/logprobs_s", "time/train_s", "time/sync_s"]
+STAGES = ["time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "time/rest_s"]
 ROLLOUT = ["rollout/queue_s", "rollout/generate_s", "rollout/reward_s", "rollout/ready_wait_s"]
 
 
@@ -600,45 +621,54 @@ def report(results: list[ModeResult], args: argparse.Namespace, budgets: list[in
         f"{args.rollout_workers} rollout / {args.reward_workers} reward worker(s), model "
         f"{args.params / 1e6:.2f}M params (hidden {args.hidden}, {args.layers} layers); medians of {timed}",
         "",
-        "longest budget per step (same in every mode): " + " ".join(map(str, first.max_budget)),
-        "",
-        "| mode | samples/s (median step) | x batch | samples/s (all timed steps) | x batch |",
+        f"| mode | samples/s (median step) | x {first.mode} | samples/s (all timed steps) | x {first.mode} |",
         "| --- | --- | --- | --- | --- |",
     ]
     base, base_total = first.samples_per_s(), first.samples_per_s_total()
+
+    def label(r: ModeResult) -> str:
+        return f"{r.mode} (fake engine)" if args.fake else r.mode
+
     for r in results:
-        label = f"{r.mode} (fake engine)" if args.fake else r.mode
         lines.append(
-            f"| {label} | {r.samples_per_s():.1f} | {r.samples_per_s() / base:.2f} "
+            f"| {label(r)} | {r.samples_per_s():.1f} | {r.samples_per_s() / base:.2f} "
             f"| {r.samples_per_s_total():.1f} | {r.samples_per_s_total() / base_total:.2f} |"
         )
     lines += [
         "",
-        "where the time goes (s, medians; rollout/* are per-sample means of each step):",
+        "where the time goes (s, medians; rollout/* are per-sample means of each step; aborted: mean share "
+        "of the requests sent, stale groups: total dropped for staleness):",
         "",
         "| mode | "
         + " | ".join(k.split("/")[1][:-2] for k in STAGES + ROLLOUT)
-        + " | resp tokens | staleness |",
-        "| --- " * (len(STAGES) + len(ROLLOUT) + 3) + "|",
+        + " | resp tokens | staleness | aborted | stale groups |",
+        "| --- " * (len(STAGES) + len(ROLLOUT) + 5) + "|",
     ]
     for r in results:
         cells = [fmt(r.median(k)) for k in STAGES + ROLLOUT]
         lines.append(
-            f"| {r.mode} | "
+            f"| {label(r)} | "
             + " | ".join(cells)
-            + f" | {r.median('response/length_mean'):.1f} | {r.median('rollout/staleness_mean'):.2f} |"
+            + f" | {r.median('response/length_mean'):.1f} | {r.median('rollout/staleness_mean'):.2f}"
+            + f" | {statistics.mean(r.timed('rollout/aborted_frac')):.1%}"
+            + f" | {sum(r.timed('rollout/stale_groups')):g} |"
         )
     lines += [
         "",
-        "per-step times (s) in run order, (left out): step = rollout + logprobs + train + sync + rest",
+        "every step in run order, (left out): the longest budget in its batch (the same in every mode) "
+        "and its times (s)",
+        "",
     ]
+
+    def row(label: str, cells: list[str], timed_steps: list[bool]) -> str:
+        shown = [cell if timed else f"({cell})" for cell, timed in zip(cells, timed_steps)]
+        return f"  {label:18s}" + " ".join(f"{cell:>6s}" for cell in shown)
+
+    lines.append(row("budget", [str(b) for b in first.max_budget], first.timed_steps))
     for r in results:
-        for key, name in (("step", r.mode), ("rollout", ""), ("train", "")):
-            cells = [
-                f"{m[f'time/{key}_s']:.2f}" if timed else f"({m[f'time/{key}_s']:.2f})"
-                for m, timed in zip(r.metrics, r.timed_steps)
-            ]
-            lines.append(f"  {name:9s} {key:7s} " + " ".join(cells))
+        for key in ("step", "rollout", "train"):
+            cells = [f"{m[f'time/{key}_s']:.2f}" for m in r.metrics]
+            lines.append(row(f"{r.mode} {key}", cells, r.timed_steps))
     return "\n".join(lines)
 
 
@@ -652,7 +682,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--modes", default=",".join(MODES), help="comma-separated, in order: " + ", ".join(MODES)
     )
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of one block per mode, in turn")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of one block per mode, in turn")
     parser.add_argument("--steps", type=int, default=5, help="steps per block (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="leading steps of each block left out")
     parser.add_argument(
@@ -661,14 +691,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step (rollout_batch_size)")
     parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     parser.add_argument("--pareto-shape", type=float, default=1.2)
-    parser.add_argument("--min-tokens", type=int, default=8)
+    parser.add_argument("--min-tokens", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=128, help="model width (MLP: 4x)")
     parser.add_argument("--layers", type=int, default=6, help="model depth")
     parser.add_argument("--micro-batch-tokens", type=int, default=1024, help="actor.micro_batch_tokens")
     parser.add_argument("--rows", type=int, default=512, help="dataset rows (prompts) written")
     parser.add_argument("--rollout-workers", type=int, default=1)
-    parser.add_argument("--reward-workers", type=int, default=1)
+    parser.add_argument("--reward-workers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--output-dir", default=None, help="where the run writes (default: a temp dir, removed)"
@@ -687,6 +717,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.chdir(REPO)  # the Ray workers import benchmarks.rollout_reward from the driver's directory
+    # Ray's workers inherit it: transformers' deprecation notices from the engine would break up the output.
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     import ray
@@ -720,7 +752,11 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(report(results, args, budgets))
     if args.json:
-        Path(args.json).write_text(json.dumps({r.mode: r.metrics for r in results}, indent=1))
+        dump = {
+            r.mode: {"metrics": r.metrics, "timed": r.timed_steps, "max_budget": r.max_budget}
+            for r in results
+        }
+        Path(args.json).write_text(json.dumps(dump, indent=1))
     return 0
 
 
