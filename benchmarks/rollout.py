@@ -271,37 +271,10 @@ class BatchRollout:
         pass  # nothing runs between two next_batch calls
 
     def _assemble(self, groups: list[_Group]):
-        """The fields and layout of ``RolloutScheduler._assemble``."""
-        from roll.data.batch import Batch
-        from roll.data.padding import left_pad, right_pad
+        """The fields and layout of the scheduler's batches (``roll.rollout.scheduler.assemble_batch``)."""
+        from roll.rollout.scheduler import assemble_batch
 
-        samples = [s for g in groups for s in g.samples]
-        prompt_index = [g.prompt_index for g in groups for _ in g.samples]
-        prompt_ids, prompt_mask = left_pad([self.prompts.token_ids[i] for i in prompt_index], self.pad_id)
-        results = [s.result for s in samples]
-        width = max(self.params.max_new_tokens, *(g.params.max_new_tokens for g in groups))
-        response_ids, response_mask = right_pad([r.token_ids for r in results], self.pad_id, width)
-        logprobs = torch.zeros(len(samples), width)
-        for row, result in enumerate(results):
-            logprobs[row, : len(result.logprobs)] = torch.tensor(result.logprobs)
-        return Batch(
-            tensors={
-                "prompt_ids": prompt_ids,
-                "prompt_mask": prompt_mask,
-                "response_ids": response_ids,
-                "response_mask": response_mask,
-                "rollout_logprobs": logprobs,
-                "group_index": torch.arange(len(groups)).repeat_interleave(self.spec.num_return_sequences),
-                "scores": torch.tensor([s.score for s in samples], dtype=torch.float32),
-            },
-            non_tensors={
-                "prompt_text": [self.prompts.texts[i] for i in prompt_index],
-                "sample": [self.prompts.rows[i] for i in prompt_index],
-                "response_text": [s.response_text for s in samples],
-                "finish_reason": [r.finish_reason for r in results],
-                "token_rewards": [s.token_rewards for s in samples],
-            },
-        )
+        return assemble_batch(groups, self.prompts, self.pad_id, self.params.max_new_tokens)
 
     def _metrics(self, groups: list[_Group]) -> dict[str, float]:
         now = time.monotonic()

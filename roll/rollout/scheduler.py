@@ -48,7 +48,7 @@ from roll.rollout.load_balancer import LoadBalancer
 from roll.strategies.infer.base import GenerateRequest, GenerateResult
 from roll.strategies.sampling import SamplingParams
 
-__all__ = ["PromptGroup", "RolloutScheduler", "SchedulerSpec"]
+__all__ = ["PromptGroup", "RolloutScheduler", "SchedulerSpec", "assemble_batch"]
 
 S = SampleState
 
@@ -457,34 +457,7 @@ class RolloutScheduler:
         return bool(self._requeued) or self._fresh_since_batch < self.spec.prompt_budget
 
     def _assemble(self, groups: list[PromptGroup]) -> Batch:
-        """Rows in group order, samples in order: the layout batch generation of the same prompts gives."""
-        samples = [s for g in groups for s in g.samples]
-        prompt_index = [g.prompt_index for g in groups for _ in g.samples]
-        prompt_ids, prompt_mask = left_pad([self.prompts.token_ids[i] for i in prompt_index], self.pad_id)
-        results = [s.result for s in samples]
-        width = max(self.params.max_new_tokens, *(g.params.max_new_tokens for g in groups))
-        response_ids, response_mask = right_pad([r.token_ids for r in results], self.pad_id, width)
-        logprobs = torch.zeros(len(samples), width)
-        for row, result in enumerate(results):
-            logprobs[row, : len(result.logprobs)] = torch.tensor(result.logprobs)
-        return Batch(
-            tensors={
-                "prompt_ids": prompt_ids,
-                "prompt_mask": prompt_mask,
-                "response_ids": response_ids,
-                "response_mask": response_mask,
-                "rollout_logprobs": logprobs,
-                "group_index": torch.arange(len(groups)).repeat_interleave(self.spec.num_return_sequences),
-                "scores": torch.tensor([s.score for s in samples], dtype=torch.float32),
-            },
-            non_tensors={
-                "prompt_text": [self.prompts.texts[i] for i in prompt_index],
-                "sample": [self.prompts.rows[i] for i in prompt_index],
-                "response_text": [s.response_text for s in samples],
-                "finish_reason": [r.finish_reason for r in results],
-                "token_rewards": [s.token_rewards for s in samples],
-            },
-        )
+        return assemble_batch(groups, self.prompts, self.pad_id, self.params.max_new_tokens)
 
     def _metrics(self, groups: list[PromptGroup]) -> dict[str, float]:
         """What this batch cost: prompts used, filtered and aborted shares, stage waits, staleness."""
@@ -516,3 +489,36 @@ class RolloutScheduler:
             if key.startswith("filtered_by/"):
                 metrics[f"rollout/{key}"] = float(value)
         return metrics
+
+
+def assemble_batch(groups: list[PromptGroup], prompts: PromptSet, pad_id: int, max_new_tokens: int) -> Batch:
+    """The training batch of scored ``groups``: rows in group order, samples in order, responses
+    right-padded to the longest budget (at least ``max_new_tokens``) — the layout batch generation of the
+    same prompts gives."""
+    samples = [s for g in groups for s in g.samples]
+    prompt_index = [g.prompt_index for g in groups for _ in g.samples]
+    prompt_ids, prompt_mask = left_pad([prompts.token_ids[i] for i in prompt_index], pad_id)
+    results = [s.result for s in samples]
+    width = max(max_new_tokens, *(g.params.max_new_tokens for g in groups))
+    response_ids, response_mask = right_pad([r.token_ids for r in results], pad_id, width)
+    logprobs = torch.zeros(len(samples), width)
+    for row, result in enumerate(results):
+        logprobs[row, : len(result.logprobs)] = torch.tensor(result.logprobs)
+    return Batch(
+        tensors={
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "response_ids": response_ids,
+            "response_mask": response_mask,
+            "rollout_logprobs": logprobs,
+            "group_index": torch.tensor([i for i, g in enumerate(groups) for _ in g.samples]),
+            "scores": torch.tensor([s.score for s in samples], dtype=torch.float32),
+        },
+        non_tensors={
+            "prompt_text": [prompts.texts[i] for i in prompt_index],
+            "sample": [prompts.rows[i] for i in prompt_index],
+            "response_text": [s.response_text for s in samples],
+            "finish_reason": [r.finish_reason for r in results],
+            "token_rewards": [s.token_rewards for s in samples],
+        },
+    )
