@@ -1,4 +1,5 @@
-"""The ``roll`` command: ``roll train CONFIG [key=value ...]`` and ``roll config CONFIG [key=value ...]``.
+"""The ``roll`` command: ``roll train CONFIG [key=value ...] [--resume [CHECKPOINT]] [--overwrite]``,
+``roll resume RUN_DIR [key=value ...]`` and ``roll config CONFIG [key=value ...]``.
 
 Config loading and validation come first and import neither torch nor Ray, so a typo is rejected at once.
 """
@@ -12,7 +13,27 @@ from typing import NoReturn
 
 import typer
 
-app = typer.Typer(
+
+class _Roll(typer.Typer):
+    """Typer with one extension: ``--resume`` may stand alone (meaning the latest checkpoint) or name a
+    checkpoint. Click options take a value or none, never either, so a bare ``--resume`` (last, or
+    followed by another option or a ``key=value`` override) is read as ``--resume=latest``."""
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        sys.argv[1:] = _resume_latest(sys.argv[1:])
+        return super().__call__(*args, **kwargs)
+
+
+def _resume_latest(argv: list[str]) -> list[str]:
+    out = []
+    for index, arg in enumerate(argv):
+        following = argv[index + 1] if index + 1 < len(argv) else None
+        bare = following is None or following.startswith("-") or "=" in following
+        out.append("--resume=latest" if arg == "--resume" and bare else arg)
+    return out
+
+
+app = _Roll(
     add_completion=False,
     no_args_is_help=True,
     help="ROLL: reinforcement learning for LLMs.",
@@ -40,15 +61,42 @@ def _load(config: str, overrides: list[str]):
 def train(
     config: str = typer.Argument(..., help="YAML config file."),
     overrides: list[str] = typer.Argument(None, help="Dotted overrides, e.g. actor.lr=1e-5."),
+    resume: str | None = typer.Option(
+        None,
+        "--resume",
+        help="Go on from the latest complete checkpoint in output_dir (bare --resume), or from the "
+        "checkpoint or run directory given.",
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Start again in an output_dir that holds a run, deleting that run."
+    ),
 ) -> None:
     """Run the pipeline a config names (rlvr, sft)."""
+    _train(_load(config, overrides or []), resume, overwrite)
+
+
+@app.command("resume")
+def resume_run(
+    run_dir: str = typer.Argument(..., help="The output_dir of the run to continue."),
+    overrides: list[str] = typer.Argument(
+        None, help="Dotted overrides on the run's saved config, e.g. steps=2000."
+    ),
+) -> None:
+    """Continue a run from its latest complete checkpoint, with the config it saved."""
+    saved = Path(run_dir) / "config.yaml"
+    if not saved.is_file():
+        _fail(FileNotFoundError(f"{run_dir} holds no run to resume (no {saved})"), 2)
+    # The directory may have moved since the run wrote its config: it is the run's directory now.
+    _train(_load(str(saved), [*(overrides or []), f"output_dir={run_dir}"]), "latest", False)
+
+
+def _train(cfg, resume: str | None, overwrite: bool) -> None:
     from roll.utils import signals
 
-    cfg = _load(config, overrides or [])
     ray_started_here = not _ray_running()
     with signals.stop_on_signals():
         try:
-            _run(cfg)
+            _run(cfg, resume, overwrite)
         except BaseException:
             # Whatever a stop signal interrupted (Ray wraps it in errors of its own), the run ends below.
             if signals.received() is None:
@@ -62,7 +110,7 @@ def train(
         raise typer.Exit(code=signals.exit_code(signum))
 
 
-def _run(cfg) -> None:
+def _run(cfg, resume: str | None, overwrite: bool) -> None:
     from roll.config import ConfigError
     from roll.data.dataset import DatasetError
     from roll.pipelines.preflight import preflight
@@ -72,25 +120,33 @@ def _run(cfg) -> None:
         inputs = preflight(cfg)
     except (ConfigError, DatasetError) as e:
         _fail(e, 2)
+    from roll.checkpoint import CheckpointError
     from roll.distributed.cluster import WorkerError
     from roll.distributed.weight_sync import WeightSyncError
     from roll.pipelines import run_pipeline
+    from roll.pipelines.recovery import RecoveryExhaustedError
 
     try:
-        run_pipeline(cfg, inputs)
+        run_pipeline(cfg, inputs, resume=resume, overwrite=overwrite)
     except (ConfigError, DatasetError) as e:
         _fail(e, 2)
-    except (WorkerError, WeightSyncError) as e:
+    except (WorkerError, WeightSyncError, CheckpointError, RecoveryExhaustedError) as e:
         # The remote traceback is the useful part; the driver's own stack adds nothing.
         _fail(e, 1)
 
 
 def _stop_line(cfg, signum: int, activity: str) -> str:
+    from roll.checkpoint import checkpoints_root, latest_valid
+
     kept = f"; the finished steps' metrics are in {cfg.output_dir}" if Path(cfg.output_dir).is_dir() else ""
+    last = latest_valid(checkpoints_root(cfg.output_dir), warn=False)
+    saved = (
+        f"The last checkpoint is {last}; continue with: roll resume {cfg.output_dir}"
+        if last is not None
+        else "Nothing was saved (no checkpoint yet: see checkpoint.every_steps)"
+    )
     return (
-        f"roll: stopped by {signal.Signals(signum).name} during {activity}. Nothing was saved (ROLL does "
-        f"not write checkpoints yet; the final model is saved only when a run ends){kept}. "
-        "Workers released."
+        f"roll: stopped by {signal.Signals(signum).name} during {activity}. {saved}{kept}. Workers released."
     )
 
 

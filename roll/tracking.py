@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -71,6 +72,10 @@ class TrackingBackend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Flush and release resources; called once by the tracker."""
+
+    def rewind(self, step: int) -> None:  # noqa: B027 - optional hook
+        """Forget every record after ``step``: the run goes on from a checkpoint of that step, and each
+        step must appear once."""
 
 
 TRACKER_BACKENDS: Registry[type[TrackingBackend]] = Registry("tracking backend")
@@ -196,6 +201,19 @@ class JsonlBackend(TrackingBackend):
         self.file.write(json.dumps(record, allow_nan=False) + "\n")
         self.file.flush()
 
+    def rewind(self, step: int) -> None:
+        """Rewrite the file without the rows after ``step`` (atomically: a crash keeps the old file)."""
+        self.file.close()
+        kept = [
+            line
+            for line in self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+            if line.strip() and json.loads(line)["step"] <= step
+        ]
+        staging = self.path.with_name(f".{self.path.name}.rewind")
+        staging.write_text("".join(kept), encoding="utf-8")
+        os.replace(staging, self.path)
+        self.file = self.path.open("a", encoding="utf-8")
+
     def close(self) -> None:
         self.file.close()
 
@@ -212,9 +230,8 @@ class TensorBoardBackend(TrackingBackend):
         # Imported here: it pulls in tensorboard and protobuf, which a metrics-free import should not pay for.
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(
-            log_dir=str(context.output_dir / "tensorboard"), flush_secs=self.FLUSH_SECS
-        )
+        self.log_dir = str(context.output_dir / "tensorboard")
+        self.writer = SummaryWriter(log_dir=self.log_dir, flush_secs=self.FLUSH_SECS)
         if context.config is not None:
             text = json.dumps(dict(context.config), indent=2, default=str)
             # Four-space indent makes TensorBoard's markdown renderer show it as a code block.
@@ -223,6 +240,13 @@ class TensorBoardBackend(TrackingBackend):
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, global_step=step)
+
+    def rewind(self, step: int) -> None:
+        """A new event file whose ``purge_step`` makes TensorBoard drop the old events after ``step``."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer.close()
+        self.writer = SummaryWriter(log_dir=self.log_dir, flush_secs=self.FLUSH_SECS, purge_step=step + 1)
 
     def close(self) -> None:
         self.writer.close()
@@ -288,6 +312,11 @@ class Tracker:
         if step % self.log_every == 0 or any(key.startswith(EVAL_PREFIX) for key in values):
             for backend in self.backends:
                 backend.log(step, values)
+
+    def rewind(self, step: int) -> None:
+        """Drop what every backend recorded after ``step`` (resuming from a checkpoint of that step)."""
+        for backend in self.backends:
+            backend.rewind(step)
 
     def print(self, message: str) -> None:
         """Print plain text (no rich markup is interpreted) above the progress bar."""

@@ -114,3 +114,26 @@ class EvalConfig:
     max_prompts: int | None = option(None, ge=1, help="Evaluate on at most this many held-out prompts.")
     max_new_tokens: int = option(16, gt=0, help="Longest greedy answer in tokens.")
     batch_size: int = option(256, gt=0, help="Prompts per generation call during evaluation.")
+
+
+@dataclass
+class CheckpointConfig:
+    """Full-state checkpoints under <output_dir>/checkpoints, resume (`roll train CONFIG --resume`,
+    `roll resume RUN_DIR`) and automatic recovery when a worker dies."""
+
+    every_steps: int = option(
+        100,
+        ge=0,
+        help="Save the full training state every N steps and at the end (0: never; a dead actor or critic "
+        "then restarts the run from its first step).",
+    )
+    keep_last: int = option(
+        2, ge=1, help="Checkpoints kept; older ones are deleted once a newer one is complete."
+    )
+    max_restarts: int = option(
+        3,
+        ge=0,
+        help="Worker deaths, timeouts and frozen workers recovered from within the running job before it "
+        "gives up (0: the first one ends the run). Rollout and reward workers are replaced without "
+        "losing a step; a lost trainer rebuilds every worker from the last checkpoint.",
+    )

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from roll.config.common import DataConfig, EvalConfig, ModelConfig, RayConfig, TrackingConfig
+from roll.config.common import (
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    ModelConfig,
+    RayConfig,
+    TrackingConfig,
+)
 from roll.config.fields import option
 from roll.config.sft import SFTTrainConfig
 
@@ -100,6 +107,11 @@ class ActorConfig:
         "constant", help="Learning-rate schedule after warmup; linear/cosine decay to 0 at the last step."
     )
     max_grad_norm: float = option(1.0, ge=0, help="Gradient-norm clip (0 disables).")
+    nonfinite_grads: Literal["skip", "stop"] = option(
+        "skip",
+        help="An update whose gradient norm is NaN or infinite: skip it (weights, optimizer and LR schedule "
+        "untouched; counted in <role>/skipped_frac) or stop the run with an error naming the step.",
+    )
     ppo_epochs: int = option(1, gt=0, help="Passes over each rollout batch.")
     mini_batch_size: int | None = option(
         None,
@@ -237,5 +249,8 @@ class RLVRConfig:
     )
     reward_world_size: int = option(1, gt=0, help="Reward workers; responses are split across them.")
     eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "Held-out evaluation."})
+    checkpoint: CheckpointConfig = field(
+        default_factory=CheckpointConfig, metadata={"help": "Checkpoints, resume and automatic recovery."}
+    )
     tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"help": "Metric sinks."})
     ray: RayConfig = field(default_factory=RayConfig, metadata={"help": "Ray connection."})

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from roll.config.common import DataConfig, EvalConfig, ModelConfig, RayConfig, TrackingConfig
+from roll.config.common import (
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    ModelConfig,
+    RayConfig,
+    TrackingConfig,
+)
 from roll.config.fields import option
 
 
@@ -25,6 +32,11 @@ class SFTTrainConfig:
         "constant", help="Learning-rate schedule after warmup; linear/cosine decay to 0 at the last step."
     )
     max_grad_norm: float = option(1.0, ge=0, help="Gradient-norm clip (0 disables).")
+    nonfinite_grads: Literal["skip", "stop"] = option(
+        "skip",
+        help="An update whose gradient norm is NaN or infinite: skip it (counted in sft/skipped_frac) or "
+        "stop with an error naming the step.",
+    )
     world_size: int = option(1, gt=0, help="Data-parallel training ranks.")
 
 
@@ -44,5 +56,8 @@ class SFTConfig:
     train: SFTTrainConfig = field(default_factory=SFTTrainConfig, metadata={"help": "Optimisation."})
     reward: str = option("exact_match", help="Reward function that scores greedy eval answers (0-1).")
     eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "Held-out evaluation."})
+    checkpoint: CheckpointConfig = field(
+        default_factory=CheckpointConfig, metadata={"help": "Checkpoints, resume and automatic recovery."}
+    )
     tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"help": "Metric sinks."})
     ray: RayConfig = field(default_factory=RayConfig, metadata={"help": "Ray connection."})

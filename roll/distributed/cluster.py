@@ -229,6 +229,19 @@ class Cluster:
         watched = [WatchedRank(self.role, r, method, self.workers[r], self.health[r]) for r in ranks]
         return RankWatch(watched, self.liveness)
 
+    def lost_ranks(self, timeout_s: float = 5.0) -> list[int]:
+        """Ranks whose process is gone or does not answer a heartbeat within ``timeout_s``. Heartbeats
+        are answered beside running work, so a busy rank is not lost."""
+        refs = {worker.heartbeat.remote(): rank for rank, worker in enumerate(self.workers)}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        lost = {rank for ref, rank in refs.items() if ref not in ready}
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayError:
+                lost.add(refs[ref])
+        return sorted(lost)
+
     def kill(self) -> None:
         """Ask every rank to release its resources, then end the actors."""
         # A frozen rank would only make everyone wait for its answer: it is killed without asking.

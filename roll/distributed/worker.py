@@ -85,6 +85,25 @@ class Worker:
         return os.getpid(), socket.gethostname()
 
     @register(Dispatch.ONE_TO_ALL)
+    def rng_state(self) -> dict[str, Any]:
+        """This rank's random generator states (for a checkpoint); one per rank in rank order."""
+        from roll.utils import rng
+
+        return rng.capture()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def set_rng_state(self, states: Sequence[dict[str, Any]]) -> None:
+        """Restore this rank's entry of ``states`` (what ``rng_state`` returned, all ranks in order)."""
+        from roll.utils import rng
+
+        if len(states) != self.world_size:
+            raise ValueError(
+                f"{self.role}: {len(states)} saved random states for {self.world_size} ranks; resume with "
+                "the world size the checkpoint was written with"
+            )
+        rng.restore(states[self.rank])
+
+    @register(Dispatch.ONE_TO_ALL)
     def shutdown(self) -> None:
         """Release collectives and memory before the actor is killed."""
 

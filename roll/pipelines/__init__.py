@@ -11,20 +11,21 @@ PIPELINES: Registry[Callable[..., Any]] = Registry("pipeline")
 
 
 @PIPELINES.register("rlvr")
-def run_rlvr(config: Any, inputs: Any = None) -> Any:
+def run_rlvr(config: Any, inputs: Any = None, **run_dir: Any) -> Any:
     from roll.pipelines.rlvr import RLVRPipeline
 
-    return RLVRPipeline(config, inputs).run()
+    return RLVRPipeline(config, inputs, **run_dir).run()
 
 
 @PIPELINES.register("sft")
-def run_sft(config: Any, inputs: Any = None) -> Any:
+def run_sft(config: Any, inputs: Any = None, **run_dir: Any) -> Any:
     from roll.pipelines.sft import SFTPipeline
 
-    return SFTPipeline(config, inputs).run()
+    return SFTPipeline(config, inputs, **run_dir).run()
 
 
-def run_pipeline(config: Any, inputs: Any = None) -> Any:
+def run_pipeline(config: Any, inputs: Any = None, resume: str | None = None, overwrite: bool = False) -> Any:
     """Run the pipeline that ``config.pipeline`` names; ``inputs`` is ``preflight(config)``'s result
-    when the caller ran it already (it runs in the pipeline otherwise)."""
-    return PIPELINES.get(config.pipeline)(config, inputs)
+    when the caller ran it already (it runs in the pipeline otherwise). ``resume`` (``"latest"`` or a
+    checkpoint path) and ``overwrite`` decide what happens to a run already in ``output_dir``."""
+    return PIPELINES.get(config.pipeline)(config, inputs, resume=resume, overwrite=overwrite)

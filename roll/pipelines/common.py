@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from roll.config.common import EvalConfig, ModelConfig
+from roll.config.common import CheckpointConfig, EvalConfig, ModelConfig
 from roll.data.batch import Batch
 from roll.data.padding import left_pad, right_pad
 from roll.data.prompts import PromptSet
@@ -118,6 +118,14 @@ def write_resolved_config(config: Any, output_dir: str) -> None:
     path = Path(output_dir)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(to_yaml(config))
+
+
+def checkpoint_due(checkpoints: CheckpointConfig, step: int, total_steps: int) -> bool:
+    """Save every ``every_steps`` steps, after the last one, and when a stop signal asked for it."""
+    from roll.utils import signals
+
+    every = checkpoints.every_steps
+    return every > 0 and (step % every == 0 or step == total_steps or signals.received() is not None)
 
 
 def is_eval_step(eval_cfg: EvalConfig, step: int, total_steps: int) -> bool:

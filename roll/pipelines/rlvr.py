@@ -9,9 +9,11 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
+from roll import checkpoint
 from roll.algorithms.functional import masked_mean
 from roll.algorithms.kl import adaptive_kl_coef
 from roll.config.devices import resolve_world_sizes
@@ -20,15 +22,16 @@ from roll.config.rlvr import RLVRConfig
 from roll.config.sft import SFTConfig
 from roll.data.batch import Batch
 from roll.data.dataset import PromptIterator
-from roll.distributed.cluster import Cluster
+from roll.distributed.cluster import Cluster, WorkerError
 from roll.distributed.colocation import Colocation
 from roll.distributed.device_mapping import colocation_groups, is_colocated, validate_plan
 from roll.distributed.liveness import Liveness
 from roll.distributed.placement import DeviceTable, RankPlacement, place_role
 from roll.distributed.ray_utils import init_ray
-from roll.distributed.weight_sync import WeightSync
+from roll.distributed.weight_sync import WeightSync, WeightSyncError
 from roll.pipelines.common import (
     StageTimer,
+    checkpoint_due,
     evaluate,
     is_eval_step,
     open_tracker,
@@ -45,9 +48,12 @@ from roll.pipelines.credit import (
     token_level_rewards,
 )
 from roll.pipelines.preflight import RunInputs, preflight
+from roll.pipelines.recovery import REPLACEABLE_ROLES, RestartBudget, lost_workers
+from roll.pipelines.run_dir import RunDirectory
 from roll.pipelines.worker_specs import device_roles, plan_workers, updates_per_step
 from roll.rollout import BatchBackend, RayBackend, RolloutBackend, RolloutRouter, RolloutScheduler
 from roll.tracking import Tracker
+from roll.utils import rng, signals
 from roll.utils.signals import set_activity
 from roll.workers.actor import ActorWorker
 from roll.workers.base import ModelSpec
@@ -58,10 +64,18 @@ from roll.workers.rollout import RolloutWorker
 
 
 class RLVRPipeline:
-    def __init__(self, config: RLVRConfig, inputs: RunInputs | None = None):
+    def __init__(
+        self,
+        config: RLVRConfig,
+        inputs: RunInputs | None = None,
+        resume: str | None = None,
+        overwrite: bool = False,
+    ):
         """``inputs``: what ``preflight(config)`` returned, when the caller ran it already (the CLI
         does, before importing Ray); otherwise preflight runs here. Nothing is written and no model
-        is built before it has passed."""
+        is built before it has passed. ``resume``: ``"latest"`` or a checkpoint (or run) directory to
+        go on from; ``overwrite``: start again in an output directory that holds a run (see
+        ``RunDirectory``)."""
         problems = resolve_world_sizes(config)  # a config built in code has not been through load_config
         if problems:
             raise ConfigError("\n".join(problems))
@@ -70,22 +84,23 @@ class RLVRPipeline:
         self.actor = self.critic = self.rollout = self.reward = self.reference = None
         self.scheduler: RolloutScheduler | None = None
         self.weight_sync: WeightSync | None = None
+        self.run_dir: RunDirectory | None = None
         inputs = inputs or preflight(config)
         self.tokenizer, self.train_prompts, self.eval_prompts = inputs.tokenizer, inputs.train, inputs.eval
-        rollout = config.rollout
+        self.budget = RestartBudget(config.checkpoint.max_restarts)
+        self.weights_version = 0  # the trained step whose weights the rollout workers hold
         try:
+            self.run_dir = RunDirectory(config.output_dir, resume, overwrite)
             # Ray and the devices of a joined cluster come before anything is written: an impossible
             # mapping fails here, not after the SFT warm start.
             init_ray(config.ray)
-            placements = self._place_roles()
+            self.placements = self._place_roles()
             write_resolved_config(config, config.output_dir)
             self.model_path = prepare_model(config.model, config.output_dir)
             if config.sft_warm_start is not None:
-                self.model_path = self._warm_start(inputs)
-            self.prompt_order = PromptIterator(
-                self.train_prompts.rows, rollout.rollout_batch_size, seed=config.seed
-            )
-            self._start_clusters(placements)
+                resumed = self.run_dir.resume_from is not None
+                self.model_path = self._warm_started_model() if resumed else self._warm_start(inputs)
+            self._start_clusters(self.placements)
         except BaseException:
             self.shutdown()  # whatever started before the failure (or a stop signal) is released
             raise
@@ -105,14 +120,28 @@ class RLVRPipeline:
             train=cfg.sft_warm_start,
             reward=cfg.eval_reward or cfg.reward,
             eval=dataclasses.replace(cfg.eval, every_steps=0),
+            # Part of this run: its checkpoints are the RL ones, and a resumed run skips it.
+            checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=0, max_restarts=0),
             tracking=cfg.tracking,
             ray=cfg.ray,
         )
-        return SFTPipeline(sft_config, inputs, name="SFT warm-start").run()
+        return SFTPipeline(sft_config, inputs, name="SFT warm-start", overwrite=True).run()
+
+    def _warm_started_model(self) -> str:
+        """The warm start's model, saved by the run being resumed: RL goes on from the checkpoint and
+        the reference model is this one, as before."""
+        path = Path(self.config.output_dir) / "sft" / "model"
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"the run being resumed has no SFT warm-start model at {path}")
+        return str(path)
 
     def _start_clusters(self, placements: Callable[[str], list[RankPlacement] | None]) -> None:
         cfg = self.config
         set_activity("starting the workers")
+        self.prompt_order = PromptIterator(
+            self.train_prompts.rows, cfg.rollout.rollout_batch_size, seed=cfg.seed
+        )
+        self.weights_version = 0
         plan = self.plan = plan_workers(cfg, self.model_path)
         samples = plan.prompts_per_step * plan.samples_per_prompt
         algo = cfg.algorithm
@@ -123,25 +152,16 @@ class RLVRPipeline:
             algo.kl_coef > 0 and algo.kl_penalty == "reward"
         )
         self.kl_coef = algo.kl_coef  # moves each step when algorithm.kl_target is set
-        timeout = cfg.ray.call_timeout_s
-        cluster = functools.partial(
-            Cluster, timeout_s=timeout, plugins=cfg.imports, liveness=Liveness.from_config(cfg.ray)
-        )
+        cluster = self._cluster
         self.actor = cluster(
             "actor", ActorWorker, cfg.actor.world_size, plan.actor, placements=placements("actor")
         )
         if plan.hybrid_engine:  # the actor generates with its own model: nothing to start or sync
             self.generator, self.generator_role = self.actor, "actor"
         else:
-            self.rollout = cluster(
-                "rollout",
-                RolloutWorker,
-                cfg.rollout.world_size,
-                plan.rollout,
-                placements=placements("rollout"),
-            )
+            self.rollout = self._new_rollout()
             self.generator, self.generator_role = self.rollout, "rollout"
-        self.reward = cluster("reward", RewardWorker, cfg.reward_world_size, cfg.reward)
+        self.reward = self._new_reward()
         self.reference = (
             cluster(
                 "reference",
@@ -174,24 +194,49 @@ class RLVRPipeline:
             if trainer in clusters:
                 setups[trainer] = functools.partial(setup_trainer, clusters[trainer], blocking=False)
         self.colocation.start(setups)
+        self.scheduler = self._new_scheduler()
+        if self.rollout is not None:
+            self.weight_sync = self._connect_weight_sync()
+
+    def _cluster(self, *args: object, **kwargs: object) -> Cluster:
+        cfg = self.config
+        liveness = Liveness.from_config(cfg.ray)
+        return Cluster(
+            *args, timeout_s=cfg.ray.call_timeout_s, plugins=cfg.imports, liveness=liveness, **kwargs
+        )
+
+    def _new_rollout(self) -> Cluster:
+        placements = self.placements("rollout")
+        return self._cluster(
+            "rollout", RolloutWorker, self.config.rollout.world_size, self.plan.rollout, placements=placements
+        )
+
+    def _new_reward(self) -> Cluster:
+        return self._cluster("reward", RewardWorker, self.config.reward_world_size, self.config.reward)
+
+    def _new_scheduler(self) -> RolloutScheduler:
         pad_id = self.tokenizer.pad_token_id
         if self.rollout is None:
             backend: RolloutBackend = BatchBackend(self.actor, self.reward, pad_id)
         else:
             backend = RayBackend(RolloutRouter(self.rollout), self.reward, pad_id)
-        self.scheduler = RolloutScheduler(
+        plan = self.plan
+        scheduler = RolloutScheduler(
             backend, self.train_prompts, self.prompt_order, plan.scheduler, plan.sampling, self.tokenizer
         )
-        if self.rollout is None:
-            return
-        self.weight_sync = WeightSync(
+        scheduler.set_weights_version(self.weights_version)
+        return scheduler
+
+    def _connect_weight_sync(self) -> WeightSync:
+        sync = WeightSync(
             self.actor,
             self.rollout,
-            bucket_bytes=plan.weight_bucket_bytes,
-            timeout_s=timeout,
+            bucket_bytes=self.plan.weight_bucket_bytes,
+            timeout_s=self.config.ray.call_timeout_s,
             colocated=is_colocated(self.roles["actor"], self.roles["rollout"]),
         )
-        self.weight_sync.connect()
+        sync.connect()
+        return sync
 
     def _place_roles(self) -> Callable[[str], list[RankPlacement] | None]:
         """Each role's devices from the config; with any device mapping, a placement group over the
@@ -222,25 +267,38 @@ class RLVRPipeline:
         cfg = self.config
         with open_tracker(cfg, cfg.steps) as tracker:
             results: dict[str, float] = {}
-            if self.eval_prompts is not None:
+            last = 0
+            if self.run_dir.resume_from is not None:
+                last = self._restore(self.run_dir.resume_from, results)
+                tracker.rewind(last)
+                tracker.print(f"resumed from {self.run_dir.resume_from} after step {last}")
+            elif self.eval_prompts is not None:
                 set_activity("the evaluation before RL")
-                before = self.evaluate()
+                before = self._replacing(self.evaluate)
                 tracker.log(0, before)
                 results["eval/score_before"] = before["eval/score"]
             metrics: dict[str, float] = {}
-            for step in range(1, cfg.steps + 1):
+            step = last + 1
+            while step <= cfg.steps:
                 set_activity(f"RL step {step} of {cfg.steps}")
-                metrics = self.step(step)
-                if self.eval_prompts is not None and is_eval_step(cfg.eval, step, cfg.steps):
-                    set_activity(f"the evaluation after RL step {step} of {cfg.steps}")
-                    metrics.update(self.evaluate())
-                    self._warn_on_collapse(tracker, metrics["eval/score"], results)
-                tracker.log(step, metrics)
+                try:
+                    # A stop signal lets the step finish when a checkpoint can then save it.
+                    with signals.deferred(cfg.checkpoint.every_steps > 0):
+                        metrics = self._step_and_evaluate(step, tracker, results)
+                    metrics["recovery/restarts"] = self.budget.restarts
+                    tracker.log(step, metrics)
+                    if checkpoint_due(cfg.checkpoint, step, cfg.steps):
+                        self.save_checkpoint(step, results, tracker)
+                except (WorkerError, WeightSyncError) as error:
+                    step = self._restart(error, tracker, results) + 1
+                    continue
+                signals.raise_if_received()
+                step += 1
             results.update(metrics)
-            if self.eval_prompts is not None:
+            if self.eval_prompts is not None and "eval/score" in metrics:
                 results["eval/score_after"] = metrics["eval/score"]
                 tracker.print(
-                    f"eval/score before RL {results['eval/score_before']:.3f} -> after RL "
+                    f"eval/score before RL {results.get('eval/score_before', float('nan')):.3f} -> after RL "
                     f"{results['eval/score_after']:.3f}"
                 )
             set_activity("saving the final model")
@@ -250,6 +308,138 @@ class RLVRPipeline:
                 self.critic.save_pretrained(str(Path(cfg.output_dir) / "critic"))
         return results
 
+    def _step_and_evaluate(self, step: int, tracker: Tracker, results: dict[str, float]) -> dict[str, float]:
+        metrics = self.step(step)
+        if self.eval_prompts is not None and is_eval_step(self.config.eval, step, self.config.steps):
+            set_activity(f"the evaluation after RL step {step} of {self.config.steps}")
+            metrics.update(self._replacing(self.evaluate))
+            self._warn_on_collapse(tracker, metrics["eval/score"], results)
+        return metrics
+
+    # ---------------------------------------------------------------- checkpoints and recovery
+    def save_checkpoint(self, step: int, results: dict[str, float], tracker: Tracker) -> Path:
+        """The full state after ``step`` (see ``roll.checkpoint``): trainers' weights, optimizers, LR
+        schedules and RNGs, every other worker's RNG, and the driver's state."""
+        set_activity(f"saving the checkpoint of step {step}")
+        start = time.perf_counter()
+
+        def write(directory: Path) -> None:
+            for role, trainer in (("actor", self.actor), ("critic", self.critic)):
+                if trainer is not None:
+                    trainer.save_state(str(directory / role))
+                    trainer.save_pretrained(str(directory / role / "hf"))
+            others = {role: c.rng_state() for role, c in self._clusters().items() if role not in TRAINERS}
+            state = {
+                "step": step,
+                "results": dict(results),
+                "kl_coef": self.kl_coef,
+                "scheduler": self.scheduler.state_dict(),
+                "driver_rng": rng.capture(),
+                "worker_rng": others,
+            }
+            torch.save(state, directory / checkpoint.PIPELINE_STATE)
+
+        root = checkpoint.checkpoints_root(self.config.output_dir)
+        path = checkpoint.save_checkpoint(root, step, write, self.config.checkpoint.keep_last)
+        tracker.print(f"checkpoint of step {step} saved to {path} in {time.perf_counter() - start:.1f} s")
+        return path
+
+    def _restore(self, path: Path, results: dict[str, float]) -> int:
+        """Load the checkpoint at ``path`` into freshly started workers; returns its step."""
+        set_activity(f"loading the checkpoint {path}")
+        state = torch.load(path / checkpoint.PIPELINE_STATE, weights_only=False)
+        step = state["step"]
+        for role, trainer in (("actor", self.actor), ("critic", self.critic)):
+            if trainer is not None:
+                if not (path / role).is_dir():
+                    raise checkpoint.CheckpointError(
+                        f"{path} holds no {role} state (was the config changed?)"
+                    )
+                trainer.load_state(str(path / role))
+        clusters = self._clusters()
+        for role, states in state["worker_rng"].items():
+            if role in clusters:
+                clusters[role].set_rng_state(states)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.kl_coef = state["kl_coef"]
+        if self.weight_sync is not None and step > 0:
+            self._sync_weights(step)
+        self.weights_version = step
+        self.scheduler.set_weights_version(step)
+        rng.restore(state["driver_rng"])
+        results.clear()
+        results.update(state["results"])
+        return step
+
+    def _sync_weights(self, version: int) -> dict[str, object]:
+        self.colocation.use("actor", "rollout")
+        return self.weight_sync.sync(version=version)
+
+    def _clusters(self) -> dict[str, Cluster]:
+        named = {
+            "actor": self.actor,
+            "critic": self.critic,
+            "rollout": self.rollout,
+            "reward": self.reward,
+            "reference": self.reference,
+        }
+        return {role: c for role, c in named.items() if c is not None}
+
+    def _replacing(self, call: Callable[[], T]) -> T:
+        """``call()``; when it fails because rollout or reward workers were lost, they are replaced and
+        ``call`` runs again: those workers hold no training state, so no step is lost or repeated. A
+        lost trainer is left to ``_restart``."""
+        while True:
+            try:
+                return call()
+            except (WorkerError, WeightSyncError) as error:
+                lost = lost_workers(error, self._clusters())
+                if not lost or not set(lost) <= REPLACEABLE_ROLES:
+                    raise
+                self.budget.spend(error, lost, f"replacing {' and '.join(sorted(lost))} workers")
+                self._replace(set(lost))
+
+    def _replace(self, roles: set[str]) -> None:
+        """New rollout and/or reward clusters in place of the old ones; the scheduler starts again from
+        the old one's state, so the prompts in flight are generated again by the new workers."""
+        set_activity(f"replacing lost {' and '.join(sorted(roles))} workers")
+        state = self.scheduler.state_dict()
+        self.scheduler.close()
+        if "reward" in roles:
+            self.reward.kill()
+            self.reward = self._new_reward()
+        if "rollout" in roles:
+            if self.weight_sync is not None:
+                self.weight_sync.close()
+            self.rollout.kill()
+            self.rollout = self.generator = self._new_rollout()
+            self.rollout.setup()
+            self.colocation.clusters["rollout"] = self.rollout
+            self.weight_sync = self._connect_weight_sync()
+            if self.weights_version > 0:
+                self._sync_weights(self.weights_version)
+        self.scheduler = self._new_scheduler()
+        self.scheduler.load_state_dict(state)
+
+    def _restart(self, error: BaseException, tracker: Tracker, results: dict[str, float]) -> int:
+        """Every worker started again from the last valid checkpoint (a lost trainer, reference or a
+        collective that cannot be repaired alone); returns the step the run goes on after."""
+        lost = lost_workers(error, self._clusters())
+        root = checkpoint.checkpoints_root(self.config.output_dir)
+        last = checkpoint.latest_valid(root)
+        self.budget.spend(error, lost, f"restarting every worker from {last or 'the first step'}")
+        tracker.print(f"WARNING: {self.budget.events[-1]}")
+        self._stop_workers()
+        self._start_clusters(self.placements)
+        if last is not None:
+            step = self._restore(last, results)
+        else:  # nothing saved yet: the run starts over, keeping the evaluation before RL
+            step = 0
+            for key in [k for k in results if k != "eval/score_before"]:
+                del results[key]
+        tracker.rewind(step)
+        return step
+
     def step(self, step: int) -> dict[str, float]:
         cfg, algo = self.config, self.config.algorithm
         timer = StageTimer()
@@ -257,7 +447,7 @@ class RLVRPipeline:
         metrics: dict[str, float] = {}
         with timer("rollout"):  # generation and rewards, sample by sample (roll/rollout/scheduler.py)
             _add(metrics, self.colocation.use(self.generator_role))
-            batch, rollout_metrics = self.scheduler.next_batch(step)
+            batch, rollout_metrics = self._replacing(lambda: self.scheduler.next_batch(step))
         metrics.update(rollout_metrics)
         mask = batch["response_mask"].float()
         lengths = mask.sum(dim=1)
@@ -289,8 +479,9 @@ class RLVRPipeline:
         if self.weight_sync is not None:
             with timer("sync"):
                 _add(metrics, self.colocation.use("actor", "rollout"))
-                sent = self.weight_sync.sync(version=step)
+                sent = self._replacing(lambda: self.weight_sync.sync(version=step))
                 metrics["sync/gb_per_s"] = sent["gb_per_s"]
+        self.weights_version = step
         self.scheduler.set_weights_version(step)
         if self.reference is not None:
             metrics["actor/kl_coef"] = self.kl_coef
@@ -371,17 +562,28 @@ class RLVRPipeline:
         results["eval/best"] = max(best, score)
 
     def shutdown(self) -> None:
+        self._stop_workers()
+        if self.device_table is not None:
+            self.device_table.remove()  # frees the devices for the next job on a shared cluster
+            self.device_table = None
+        if self.run_dir is not None:
+            self.run_dir.release()
+
+    def _stop_workers(self) -> None:
         if self.scheduler is not None:
             self.scheduler.close()
             self.scheduler = None
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+            self.weight_sync = None
         for cluster in (self.actor, self.critic, self.rollout, self.reward, self.reference):
             if cluster is not None:
                 cluster.kill()
         self.actor = self.critic = self.rollout = self.reward = self.reference = None
-        if self.device_table is not None:
-            self.device_table.remove()  # frees the devices for the next job on a shared cluster
-            self.device_table = None
 
+
+TRAINERS = ("actor", "critic")
+T = TypeVar("T")
 
 # Each worker call carries only the fields its worker reads: pickling the whole batch (texts, dataset
 # rows, every tensor) to each rank costs time that grows with the batch and buys nothing.

@@ -7,13 +7,15 @@ from pathlib import Path
 
 import torch
 
+from roll import checkpoint
 from roll.config.sft import SFTConfig
 from roll.data.batch import Batch
 from roll.data.dataset import PromptIterator
-from roll.distributed.cluster import Cluster
+from roll.distributed.cluster import Cluster, WorkerError
 from roll.distributed.liveness import Liveness
 from roll.distributed.ray_utils import init_ray
 from roll.pipelines.common import (
+    checkpoint_due,
     evaluate,
     is_eval_step,
     open_tracker,
@@ -24,29 +26,51 @@ from roll.pipelines.common import (
     write_resolved_config,
 )
 from roll.pipelines.preflight import RunInputs, preflight
+from roll.pipelines.recovery import RestartBudget, lost_workers
+from roll.pipelines.run_dir import RunDirectory
 from roll.pipelines.worker_specs import from_section
 from roll.rewards import score_response
 from roll.strategies.sampling import SamplingParams
+from roll.tracking import Tracker
+from roll.utils import rng, signals
 from roll.utils.signals import set_activity
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
 from roll.workers.base import ModelSpec
 
 
 class SFTPipeline:
-    def __init__(self, config: SFTConfig, inputs: RunInputs | None = None, name: str = "SFT"):
+    def __init__(
+        self,
+        config: SFTConfig,
+        inputs: RunInputs | None = None,
+        name: str = "SFT",
+        resume: str | None = None,
+        overwrite: bool = False,
+    ):
         """``inputs``: what ``preflight(config)`` returned, when the caller ran it already; otherwise
         preflight runs here, before anything is written. ``name`` is how the line printed when the run
-        is stopped calls this training ("SFT warm-start step 12 of 250")."""
+        is stopped calls this training ("SFT warm-start step 12 of 250"). ``resume`` and ``overwrite``:
+        see ``RunDirectory``."""
         self.config = config
         self.name = name
         inputs = inputs or preflight(config)
         self.tokenizer, self.train_rows, self.eval_prompts = inputs.tokenizer, inputs.train, inputs.eval
-        self.order = PromptIterator(self.train_rows.rows, config.train.batch_size, seed=config.seed)
         self.eval_sampling = SamplingParams(max_new_tokens=config.eval.max_new_tokens, greedy=True)
-        init_ray(config.ray)
-        write_resolved_config(config, config.output_dir)
-        self.model_path = prepare_model(config.model, config.output_dir)
-        train = config.train
+        self.budget = RestartBudget(config.checkpoint.max_restarts)
+        self.actor: Cluster | None = None
+        self.run_dir = RunDirectory(config.output_dir, resume, overwrite)
+        try:
+            init_ray(config.ray)
+            write_resolved_config(config, config.output_dir)
+            self.model_path = prepare_model(config.model, config.output_dir)
+            self._start_actor()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_actor(self) -> None:
+        config, train = self.config, self.config.train
+        self.order = PromptIterator(self.train_rows.rows, train.batch_size, seed=config.seed)
         spec = from_section(
             ActorSpec,
             train,
@@ -54,7 +78,7 @@ class SFTPipeline:
             optimizer=from_section(OptimizerSpec, train, total_steps=train.steps),
             collective_timeout_s=config.ray.call_timeout_s,
         )
-        set_activity(f"starting the {name} worker")
+        set_activity(f"starting the {self.name} worker")
         self.actor = Cluster(
             "actor",
             ActorWorker,
@@ -64,11 +88,7 @@ class SFTPipeline:
             plugins=config.imports,
             liveness=Liveness.from_config(config.ray),
         )
-        try:
-            setup_trainer(self.actor)
-        except BaseException:
-            self.actor.kill()
-            raise
+        setup_trainer(self.actor)
 
     def run(self) -> str:
         """Train, evaluate, save; returns the path of the fine-tuned model (Hugging Face format)."""
@@ -76,31 +96,104 @@ class SFTPipeline:
             return self._train()
         finally:
             # Actors would die with the driver anyway; releasing them now frees a joined cluster.
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        if self.actor is not None:
             self.actor.kill()
+            self.actor = None
+        self.run_dir.release()
 
     def _train(self) -> str:
         cfg = self.config
         with open_tracker(cfg, cfg.train.steps) as tracker:
-            if self.eval_prompts is not None:
+            results: dict[str, float] = {}
+            last = 0
+            if self.run_dir.resume_from is not None:
+                last = self._restore(self.run_dir.resume_from, results)
+                tracker.rewind(last)
+                tracker.print(f"resumed from {self.run_dir.resume_from} after step {last}")
+            elif self.eval_prompts is not None:
                 before = self.evaluate()
                 tracker.log(0, before)
+                results["eval/score_before"] = before["eval/score"]
             metrics: dict[str, float] = {}
-            for step in range(1, cfg.train.steps + 1):
+            step = last + 1
+            while step <= cfg.train.steps:
                 set_activity(f"{self.name} step {step} of {cfg.train.steps}")
-                start = time.perf_counter()
-                metrics = {
-                    f"sft/{k}": v
-                    for k, v in self.actor.sft_step(self.batch(self.order.next_indices())).items()
-                }
-                metrics["time/step_s"] = time.perf_counter() - start
-                if self.eval_prompts is not None and is_eval_step(cfg.eval, step, cfg.train.steps):
-                    metrics.update(self.evaluate())
-                tracker.log(step, metrics)
-            if self.eval_prompts is not None:
-                tracker.print(f"SFT eval/score {before['eval/score']:.3f} -> {metrics['eval/score']:.3f}")
+                try:
+                    with signals.deferred(cfg.checkpoint.every_steps > 0):
+                        metrics = self.step(step)
+                    metrics["recovery/restarts"] = self.budget.restarts
+                    tracker.log(step, metrics)
+                    if checkpoint_due(cfg.checkpoint, step, cfg.train.steps):
+                        self.save_checkpoint(step, results, tracker)
+                except WorkerError as error:
+                    step = self._restart(error, tracker, results) + 1
+                    continue
+                signals.raise_if_received()
+                step += 1
+            if "eval/score" in metrics and "eval/score_before" in results:
+                tracker.print(
+                    f"SFT eval/score {results['eval/score_before']:.3f} -> {metrics['eval/score']:.3f}"
+                )
             path = self.actor.save_pretrained(str(Path(cfg.output_dir) / "model"))
             tracker.print(f"SFT model saved to {path}")
         return path
+
+    def step(self, step: int) -> dict[str, float]:
+        cfg = self.config
+        start = time.perf_counter()
+        metrics = {
+            f"sft/{k}": v for k, v in self.actor.sft_step(self.batch(self.order.next_indices())).items()
+        }
+        metrics["time/step_s"] = time.perf_counter() - start
+        if self.eval_prompts is not None and is_eval_step(cfg.eval, step, cfg.train.steps):
+            metrics.update(self.evaluate())
+        return metrics
+
+    def save_checkpoint(self, step: int, results: dict[str, float], tracker: Tracker) -> Path:
+        """Weights, optimizer, LR schedule and RNG of every rank, and the data order (``roll.checkpoint``)."""
+        set_activity(f"saving the checkpoint of {self.name} step {step}")
+
+        def write(directory: Path) -> None:
+            self.actor.save_state(str(directory / "actor"))
+            self.actor.save_pretrained(str(directory / "actor" / "hf"))
+            state = {
+                "step": step,
+                "results": dict(results),
+                "data_order": self.order.state_dict(),
+                "driver_rng": rng.capture(),
+            }
+            torch.save(state, directory / checkpoint.PIPELINE_STATE)
+
+        root = checkpoint.checkpoints_root(self.config.output_dir)
+        path = checkpoint.save_checkpoint(root, step, write, self.config.checkpoint.keep_last)
+        tracker.print(f"checkpoint of step {step} saved to {path}")
+        return path
+
+    def _restore(self, path: Path, results: dict[str, float]) -> int:
+        state = torch.load(path / checkpoint.PIPELINE_STATE, weights_only=False)
+        self.actor.load_state(str(path / "actor"))
+        self.order.load_state_dict(state["data_order"])
+        rng.restore(state["driver_rng"])
+        results.clear()
+        results.update(state["results"])
+        return state["step"]
+
+    def _restart(self, error: WorkerError, tracker: Tracker, results: dict[str, float]) -> int:
+        """The trainer started again from the last valid checkpoint (or the first step)."""
+        lost = lost_workers(error, {"actor": self.actor})
+        last = checkpoint.latest_valid(checkpoint.checkpoints_root(self.config.output_dir))
+        self.budget.spend(error, lost, f"restarting the trainer from {last or 'the first step'}")
+        tracker.print(f"WARNING: {self.budget.events[-1]}")
+        self.actor.kill()
+        self._start_actor()
+        step = self._restore(last, results) if last is not None else 0
+        if last is None:
+            results.pop("eval/score", None)
+        tracker.rewind(step)
+        return step
 
     def batch(self, indices: list[int]) -> Batch:
         batch = prompt_batch(self.train_rows, indices, self.tokenizer.pad_token_id)

@@ -34,6 +34,11 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (DTensor) tensor, the tensor itself otherwise (no communication)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's weights on CPU, gathered on rank 0 (an empty dict on the other ranks) when
     sharded; every rank must call it."""
@@ -66,6 +71,6 @@ def tensor_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes held by ``tensors`` on this rank (a sharded tensor counts its local shard)."""
     total = 0
     for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
+        local = local_tensor(t)
         total += local.numel() * local.element_size()
     return total

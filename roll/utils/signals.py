@@ -21,7 +21,7 @@ from types import FrameType
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-_state = {"received": None, "activity": "start-up", "installed": False}
+_state = {"received": None, "activity": "start-up", "installed": False, "deferred": False}
 
 
 class StopRequested(BaseException):
@@ -57,7 +57,35 @@ def _handle(signum: int, frame: FrameType | None) -> None:
         sys.stderr.flush()
         os._exit(exit_code(signum))
     _state["received"] = signum
+    if _state["deferred"]:
+        sys.stderr.write(
+            f"roll: {signal.Signals(signum).name} received: finishing {_state['activity']} and saving a "
+            "checkpoint before stopping (send it again to exit at once, without clean-up)\n"
+        )
+        sys.stderr.flush()
+        return
     raise StopRequested(signum)
+
+
+@contextmanager
+def deferred(enabled: bool = True) -> Iterator[None]:
+    """Inside the block a first stop signal is only recorded, so the work in progress (a training
+    step) can finish and be saved; ``raise_if_received`` then stops. A second signal still exits at
+    once. With ``enabled`` False (nothing would be saved) the block changes nothing."""
+    if not enabled or _state["received"] is not None:
+        yield
+        return
+    _state["deferred"] = True
+    try:
+        yield
+    finally:
+        _state["deferred"] = False
+
+
+def raise_if_received() -> None:
+    """Raise ``StopRequested`` for a stop signal that ``deferred`` held back."""
+    if _state["received"] is not None and _state["installed"]:
+        raise StopRequested(_state["received"])
 
 
 @contextmanager

@@ -10,7 +10,9 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -46,6 +48,17 @@ class TrainerSpec:
     ppo_epochs: int = 1
     mini_batch_size: int | None = None
     collective_timeout_s: float = 600.0
+    # A step whose gradient norm is NaN or infinite: "skip" leaves weights, optimizer and LR schedule
+    # untouched (counted in ``skipped_frac``); "stop" raises NonFiniteGradientError.
+    nonfinite_grads: str = "skip"
+
+
+class NonFiniteGradientError(RuntimeError):
+    """A gradient norm was NaN or infinite and ``nonfinite_grads`` is ``stop``."""
+
+
+class NonFiniteWeightsError(RuntimeError):
+    """The weights hold NaN or infinity; such a state is never written to a checkpoint."""
 
 
 def lr_lambda(spec: OptimizerSpec) -> Callable[[int], float]:
@@ -192,10 +205,80 @@ class TrainerWorker(ModelWorker):
         spec: TrainerSpec = self.config
         grad_norm = clip_grad_norm(self.model, spec.optimizer.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
+        # The norm is global (every rank's shard), so all ranks take the same branch.
+        finite = math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "lr": lr}
+        if not finite and spec.nonfinite_grads == "stop":
+            raise NonFiniteGradientError(
+                f"{self.role} rank {self.rank}: the gradient norm is {grad_norm} at optimizer step "
+                f"{self.scheduler.last_epoch}; the update was not applied. Lower the learning rate, or "
+                f"set {self.role}.nonfinite_grads=skip to skip such updates and go on"
+            )
+        return {"grad_norm": grad_norm, "lr": lr, "skipped_frac": 0.0 if finite else 1.0}
+
+    # ---------------------------------------------------------------- checkpoints
+    @register(Dispatch.ONE_TO_ALL)
+    def save_state(self, path: str) -> None:
+        """Write weights, optimizer, LR schedule and RNG states under ``path`` (every rank takes part):
+        a torch distributed checkpoint of the (sharded) weights and optimizer in ``path/dcp``, each rank's
+        schedule and RNG in ``path/rank_<r>.pt``.
+
+        Raises:
+            NonFiniteWeightsError: some weight is NaN or infinite (nothing is written).
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from roll.utils import rng
+
+        self._check_finite_weights()
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        with _one_process_is_fine():
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=Path(path) / "dcp")
+        extra = {"lr_scheduler": self.scheduler.state_dict(), "rng": rng.capture()}
+        torch.save(extra, Path(path) / f"rank_{self.rank}.pt")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_state(self, path: str) -> None:
+        """Restore what ``save_state`` wrote under ``path`` (same world size: RNG states are per rank)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from roll.utils import rng
+
+        rank_file = Path(path) / f"rank_{self.rank}.pt"
+        if not rank_file.is_file():
+            raise FileNotFoundError(
+                f"{rank_file} is missing: the checkpoint was written by fewer {self.role} ranks than the "
+                f"{self.world_size} configured; resume with the world size it was written with"
+            )
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        with _one_process_is_fine():
+            dcp.load(state, checkpoint_id=Path(path) / "dcp")
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        extra = torch.load(rank_file, weights_only=False)
+        self.scheduler.load_state_dict(extra["lr_scheduler"])
+        rng.restore(extra["rng"])
+
+    def _check_finite_weights(self) -> None:
+        from roll.strategies.fsdp import local_tensor
+
+        bad = [name for name, p in self.model.named_parameters() if not torch.isfinite(local_tensor(p)).all()]
+        flag = torch.tensor([float(len(bad))])
+        if self.world_size > 1:  # every rank must refuse together, or the others would wait in dcp.save
+            dist.all_reduce(flag)
+        if flag.item():
+            names = ", ".join(bad[:3]) + (", ..." if len(bad) > 3 else "")
+            where = f" ({names} on rank {self.rank})" if bad else ""
+            raise NonFiniteWeightsError(
+                f"{self.role}: the weights hold NaN or infinity{where}; the checkpoint was not written"
+            )
 
     def _move_states(self, device: torch.device) -> dict[str, float]:
         """The model (see ModelWorker) plus the optimizer's moments."""
@@ -236,6 +319,14 @@ class TrainerWorker(ModelWorker):
         else:
             staging.rename(target)
         return str(target)
+
+
+@contextmanager
+def _one_process_is_fine() -> Iterator[None]:
+    """A single rank has no process group, and torch's checkpoint warns about it on every save."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _fix_architecture_name(directory: Path, class_name: str) -> None:
