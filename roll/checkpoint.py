@@ -68,7 +68,6 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], keep_l
         if final.exists():  # a step saved again after a restart rewound past it
             shutil.rmtree(final)
         os.replace(staging, final)
-        _fsync_dir(root)
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(error, OSError):
@@ -79,6 +78,15 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], keep_l
                 + "Free disk space or make the directory writable (or set output_dir elsewhere)."
             ) from error
         raise
+    try:
+        _fsync_dir(root)
+    except OSError as error:  # committed all the same; only its durability across a power cut is unsure
+        logger.warning("could not fsync %s after saving step %d: %s", root, step, error)
+    # Later checkpoints belong to a history this run abandoned (it resumed from an earlier one): the
+    # newest checkpoint must always be this run's.
+    for later, path in list_checkpoints(root):
+        if later > step:
+            shutil.rmtree(path, ignore_errors=True)
     prune(root, keep_last)
     return final
 
@@ -100,19 +108,21 @@ def verify(path: Path) -> str | None:
     corrupted), or None when every file matches its manifest entry."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-        files: dict[str, dict[str, Any]] = manifest["files"]
+        files = {
+            str(name): (int(entry["size"]), str(entry["sha256"])) for name, entry in manifest["files"].items()
+        }
     except FileNotFoundError:
         return "it has no manifest (it was never completed)"
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        return f"its manifest is unreadable ({error})"
-    for name, expected in files.items():
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        return f"its manifest is unreadable ({type(error).__name__}: {error})"
+    for name, (size_expected, digest) in files.items():
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
         size = file.stat().st_size
-        if size != expected["size"]:
-            return f"{name} has {size} bytes, the manifest says {expected['size']} (truncated?)"
-        if _sha256(file) != expected["sha256"]:
+        if size != size_expected:
+            return f"{name} has {size} bytes, the manifest says {size_expected} (truncated?)"
+        if _sha256(file) != digest:
             return f"{name} does not match its checksum (corrupted)"
     return None
 

@@ -6,6 +6,7 @@ Config loading and validation come first and import neither torch nor Ray, so a 
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -28,7 +29,9 @@ def _resume_latest(argv: list[str]) -> list[str]:
     out = []
     for index, arg in enumerate(argv):
         following = argv[index + 1] if index + 1 < len(argv) else None
-        bare = following is None or following.startswith("-") or "=" in following
+        # An override looks like key=value; a path may hold "=" too (runs/lr=1e-5), but then it exists.
+        override = following is not None and "=" in following and not os.path.exists(following)
+        bare = following is None or following.startswith("-") or override
         out.append("--resume=latest" if arg == "--resume" and bare else arg)
     return out
 

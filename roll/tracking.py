@@ -189,7 +189,17 @@ class JsonlBackend(TrackingBackend):
     def __init__(self, context: TrackingContext) -> None:
         super().__init__(context)
         self.path = context.output_dir / "metrics.jsonl"
-        self.file: IO[str] = self.path.open("a", encoding="utf-8")
+        self.file: IO[str] = self._open()
+
+    def _open(self) -> IO[str]:
+        """Open for appending; a last line that a killed process left half-written is ended first, so
+        the next record starts a line of its own."""
+        file = self.path.open("a+", encoding="utf-8")
+        if file.tell() > 0:
+            file.seek(file.tell() - 1)
+            if file.read(1) != "\n":
+                file.write("\n")
+        return file
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         clash = [key for key in self.RESERVED_KEYS if key in metrics]
@@ -204,15 +214,17 @@ class JsonlBackend(TrackingBackend):
     def rewind(self, step: int) -> None:
         """Rewrite the file without the rows after ``step`` (atomically: a crash keeps the old file)."""
         self.file.close()
-        kept = [
-            line
-            for line in self.path.read_text(encoding="utf-8").splitlines(keepends=True)
-            if line.strip() and json.loads(line)["step"] <= step
-        ]
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                pass  # a line a killed process left half-written: no step to keep
         staging = self.path.with_name(f".{self.path.name}.rewind")
         staging.write_text("".join(kept), encoding="utf-8")
         os.replace(staging, self.path)
-        self.file = self.path.open("a", encoding="utf-8")
+        self.file = self._open()
 
     def close(self) -> None:
         self.file.close()

@@ -1,6 +1,7 @@
 """A running ``roll train`` stopped the ways operators and schedulers stop it: SIGTERM (Slurm, Kubernetes),
 SIGINT (Ctrl-C), and a worker frozen with SIGSTOP. Each ends with the conventional exit code, one line
-that says what happened, valid metrics, and no Ray process of the run left behind.
+that says what happened (and what was saved), valid metrics, and no Ray process of the run left behind.
+Workers killed with SIGKILL are recovered from within the run, and each step is logged once.
 
 The runs start their own local Ray (not the test session's), so its processes can be told apart."""
 
@@ -15,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from roll import checkpoint
 
 # A quick RL run: no warm start, no evaluation, many steps (it is stopped long before the end).
 QUICK_RUN = (
@@ -145,16 +148,24 @@ def test_a_stop_signal_ends_the_run_cleanly(
     assert code == exit_code, stderr
     line = stderr.strip().splitlines()[-1]
     assert line.startswith(f"roll: stopped by {stop.name} during {activity} "), stderr
-    assert "Nothing was saved" in line and "Workers released." in line
+    assert "Workers released." in line
     assert "Traceback" not in stderr and "SIGTERM received" not in stderr
-    assert_valid_metrics(out / metrics_file)
+    rows = assert_valid_metrics(out / metrics_file)
+    if activity == "RL step":
+        # The step in progress finished and was saved: resuming loses nothing.
+        last = checkpoint.latest_valid(checkpoint.checkpoints_root(out))
+        assert last is not None and checkpoint.checkpoint_step(last) == rows[-1]["step"], stderr
+        assert f"The last checkpoint is {last}; continue with: roll resume {out}" in line
+    else:  # the warm start writes no checkpoints
+        assert "Nothing was saved" in line
     assert_nothing_left(ray_processes)
 
 
 @pytest.mark.slow
 def test_a_frozen_rollout_worker_ends_the_run_naming_it(repo_root: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    run = start_run(repo_root, out, *QUICK_RUN, "ray.liveness_timeout_s=3")
+    # No recovery: the run must end, naming the frozen worker (recovery is tested below).
+    run = start_run(repo_root, out, *QUICK_RUN, "ray.liveness_timeout_s=3", "checkpoint.max_restarts=0")
     wait_for_rows(out / "metrics.jsonl", 5, run)
     ray_processes = run_processes(run.pid)
     (rollout,) = [pid for pid, cmd in ray_processes.items() if cmd.startswith("ray::RolloutWorker")]
@@ -165,9 +176,34 @@ def test_a_frozen_rollout_worker_ends_the_run_naming_it(repo_root: Path, tmp_pat
     finally:
         os.kill(rollout, signal.SIGCONT) if rollout in processes() else None
     assert code == 1, stderr
-    assert "error: rollout rank 0 failed in" in stderr and "stopped answering" in stderr, stderr
+    assert "rollout rank 0 failed in" in stderr and "stopped answering" in stderr, stderr
     # Noticed within 4/3 of the 3 s bound plus a poll, then released: the frozen rank is killed without
     # being asked, the actor blocked in the weight broadcast to it gets 10 s to shut down.
     assert time.monotonic() - stopped < 4 + 25
     assert_valid_metrics(out / "metrics.jsonl")
     assert_nothing_left(ray_processes)
+
+
+@pytest.mark.slow
+def test_killed_rollout_and_actor_workers_are_recovered_without_losing_a_step(
+    repo_root: Path, tmp_path: Path
+) -> None:
+    """SIGKILL a rollout worker, then the actor worker, of a running job: the rollout worker is replaced
+    without a rollback, the actor from the last checkpoint; the run finishes its steps and metrics.jsonl
+    holds each step exactly once."""
+    out, steps = tmp_path / "run", 160
+    overrides = (*QUICK_RUN[:1], f"steps={steps}", *QUICK_RUN[2:], "checkpoint.every_steps=20")
+    run = start_run(repo_root, out, *overrides)
+    for role, rows in (("RolloutWorker", 30), ("ActorWorker", 75)):
+        wait_for_rows(out / "metrics.jsonl", rows, run)
+        (pid,) = [p for p, cmd in run_processes(run.pid).items() if cmd.startswith(f"ray::{role}")]
+        os.kill(pid, signal.SIGKILL)
+    code, stdout, stderr = finish(run, timeout_s=300)
+    assert code == 0, stderr[-3000:]
+    rows = assert_valid_metrics(out / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    assert rows[-1]["recovery/restarts"] == 2
+    log = stdout + stderr
+    assert "lost rollout rank 0; replacing rollout workers" in log, log[-3000:]
+    assert "lost actor rank 0; restarting every worker from" in log, log[-3000:]
+    assert (out / "model" / "config.json").is_file()

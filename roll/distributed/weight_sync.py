@@ -251,7 +251,8 @@ class WeightSync:
             try:
                 cluster.close_shared_weights()
             except Exception as exc:  # cleanup: report, never mask the error that led here
-                logger.warning("closing the shared weight segment on %s: %s", cluster.role, exc)
+                first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                logger.warning("closing the shared weight segment on %s: %s", cluster.role, first_line)
 
     def _wait(self, what: str, *futures: ClusterFuture, via: str | None = None) -> list[list[Any]]:
         """Every future's results; on any failure or timeout a WeightSyncError saying who did what

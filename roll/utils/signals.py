@@ -59,8 +59,8 @@ def _handle(signum: int, frame: FrameType | None) -> None:
     _state["received"] = signum
     if _state["deferred"]:
         sys.stderr.write(
-            f"roll: {signal.Signals(signum).name} received: finishing {_state['activity']} and saving a "
-            "checkpoint before stopping (send it again to exit at once, without clean-up)\n"
+            f"roll: stopping on {signal.Signals(signum).name} once {_state['activity']} is finished and "
+            "saved (send it again to exit at once, without clean-up)\n"
         )
         sys.stderr.flush()
         return

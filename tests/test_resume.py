@@ -1,0 +1,100 @@
+"""Exact resume: a run stopped after step k and resumed from its checkpoint logs the same metrics at every
+later step as the run that never stopped (CPU, fixed seeds), for RLVR with and without a critic and for
+SFT. Each step appears once in metrics.jsonl.
+
+The "stopped" run is the finished run's directory with everything after step k removed, as a crash right
+after the checkpoint of step k leaves it; it then resumes with ``resume="latest"``. The runs use the test
+session's Ray, in this process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from roll import checkpoint
+from roll.config.loader import ConfigError, load_config
+from roll.pipelines import run_pipeline
+
+# Wall times and throughputs differ between any two runs; everything else must not.
+TIMING = ("time/", "throughput/", "sync/gb_per_s", "eval/time_s", "rollout/queue_s", "rollout/generate_s")
+TIMING += ("rollout/reward_s", "rollout/ready_wait_s")
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k != "time" and not k.startswith(TIMING)} for row in rows]
+
+
+def metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def crash_after(finished: Path, stopped: Path, step: int) -> None:
+    """``stopped`` = ``finished`` as a crash right after the checkpoint of ``step`` would leave it: later
+    checkpoints, the final model and later metric rows absent (a resumed run cuts extra rows itself)."""
+    shutil.copytree(finished, stopped)
+    for later, path in checkpoint.list_checkpoints(checkpoint.checkpoints_root(stopped)):
+        if later > step:
+            shutil.rmtree(path)
+    shutil.rmtree(stopped / "model")
+
+
+RLVR_RUN = (
+    "steps=6",
+    "sft_warm_start.steps=40",  # rewards that differ, so the updates are not all zero
+    "eval.every_steps=3",
+    "eval.max_prompts=32",
+    "checkpoint.every_steps=3",
+    "tracking.backends=[jsonl]",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_session", "at_repo_root")
+@pytest.mark.parametrize(
+    "config", ["examples/quickstart.yaml", "examples/recipes/ppo.yaml"], ids=["grpo", "ppo"]
+)
+def test_rlvr_resumed_run_matches_the_uninterrupted_one(config: str, tmp_path: Path) -> None:
+    finished, stopped = tmp_path / "finished", tmp_path / "stopped"
+    run_pipeline(load_config(config, [*RLVR_RUN, f"output_dir={finished}"]))
+    crash_after(finished, stopped, 3)
+    resumed = run_pipeline(load_config(config, [*RLVR_RUN, f"output_dir={stopped}"]), resume="latest")
+
+    expected, got = metrics(finished), metrics(stopped)
+    assert [row["step"] for row in got] == list(range(0, 7))
+    assert comparable(got) == comparable(expected)
+    assert any(row["actor/grad_norm"] > 0 for row in expected[4:]), "no update after the resume point"
+    if "ppo" in config:
+        assert "critic/loss" in got[-1]
+    assert resumed["eval/score_after"] == expected[-1]["eval/score"]
+    assert (stopped / "model" / "config.json").is_file()
+    # The warm start was not run again: its metrics still end where the first run left them.
+    assert metrics(stopped / "sft") == metrics(finished / "sft")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_session", "at_repo_root")
+def test_sft_resumed_run_matches_the_uninterrupted_one(tmp_path: Path) -> None:
+    run = ("train.steps=8", "eval.every_steps=4", "eval.max_prompts=32", "checkpoint.every_steps=4")
+    run += ("tracking.backends=[jsonl]",)
+    finished, stopped = tmp_path / "finished", tmp_path / "stopped"
+    run_pipeline(load_config("examples/sft.yaml", [*run, f"output_dir={finished}"]))
+    crash_after(finished, stopped, 4)
+    run_pipeline(load_config("examples/sft.yaml", [*run, f"output_dir={stopped}"]), resume="latest")
+    expected, got = metrics(finished), metrics(stopped)
+    assert [row["step"] for row in got] == list(range(0, 9))
+    assert comparable(got) == comparable(expected)
+
+
+@pytest.mark.usefixtures("at_repo_root")
+def test_a_second_run_into_a_run_directory_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    config = load_config("examples/quickstart.yaml", [f"output_dir={out}", "tracking.backends=[jsonl]"])
+    with pytest.raises(ConfigError, match="already holds a run.*--overwrite"):
+        run_pipeline(config)
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert not (out / "config.yaml").exists()
