@@ -429,8 +429,11 @@ class RLVRPipeline:
         last = checkpoint.latest_valid(root)
         self.budget.spend(error, lost, f"restarting every worker from {last or 'the first step'}")
         tracker.print(f"WARNING: {self.budget.events[-1]}")
+        start = time.perf_counter()
         self._stop_workers()
+        stopped = time.perf_counter()
         self._start_clusters(self.placements)
+        started = time.perf_counter()
         if last is not None:
             step = self._restore(last, results)
         else:  # nothing saved yet: the run starts over, keeping the evaluation before RL
@@ -438,6 +441,11 @@ class RLVRPipeline:
             for key in [k for k in results if k != "eval/score_before"]:
                 del results[key]
         tracker.rewind(step)
+        tracker.print(
+            f"restarted after step {step} in {time.perf_counter() - start:.1f} s (stopping the workers "
+            f"{stopped - start:.1f} s, starting them {started - stopped:.1f} s, loading the checkpoint "
+            f"{time.perf_counter() - started:.1f} s)"
+        )
         return step
 
     def step(self, step: int) -> dict[str, float]:

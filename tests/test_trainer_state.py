@@ -1,0 +1,138 @@
+"""Trainer state for checkpoints: ``save_state`` / ``load_state`` continue training exactly (one rank and
+two FSDP ranks), weights holding NaN are never saved, and ``nonfinite_grads`` skips or stops an update
+whose gradient norm is NaN."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from roll.config.rlvr import AlgorithmConfig
+from roll.data.batch import Batch
+from roll.data.prompts import PromptSet, render_prompt
+from roll.distributed.cluster import Cluster, WorkerError
+from roll.distributed.dispatch import Dispatch
+from roll.distributed.worker import register
+from roll.models.loading import load_tokenizer
+from roll.pipelines.common import prompt_batch, response_tensors, setup_trainer
+from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
+from roll.workers.base import ModelSpec
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+class PoisonableActor(ActorWorker):
+    """An actor whose next gradients, or whose weights, a test can turn into NaN."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def poison_next_gradients(self) -> None:
+        param = next(self.model.parameters())
+        handle = param.register_hook(lambda grad: grad * float("nan"))
+        self._poison = handle
+
+    @register(Dispatch.ONE_TO_ALL)
+    def heal(self) -> None:
+        self._poison.remove()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def poison_weights(self) -> None:
+        with torch.no_grad():
+            next(self.model.parameters()).fill_(float("nan"))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def lr_step(self) -> int:
+        return self.scheduler.last_epoch
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model_path: str) -> Batch:
+    tokenizer = load_tokenizer(tiny_model_path)
+    rows = [{"prompt": f"{a}+{b}", "answer": str(a + b)} for a, b in [(1, 2), (30, 4), (55, 45), (9, 9)]]
+    texts = [render_prompt(tokenizer, r["prompt"], True) for r in rows]
+    prompts = PromptSet(rows, texts, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts])
+    result = prompt_batch(prompts, list(range(4)), tokenizer.pad_token_id)
+    for key, value in response_tensors(tokenizer, [r["answer"] for r in rows], length=4).items():
+        result[key] = value
+    return result
+
+
+def start(tiny_model_path: str, world_size: int = 1, **changes: object) -> Cluster:
+    spec = ActorSpec(
+        model=ModelSpec(path=tiny_model_path),
+        optimizer=OptimizerSpec(lr=1e-2, total_steps=10, warmup_steps=2, lr_scheduler="cosine"),
+        micro_batch_size=4,
+        algorithm=AlgorithmConfig(),
+    )
+    actor = Cluster("actor", PoisonableActor, world_size, dataclasses.replace(spec, **changes))
+    setup_trainer(actor)
+    return actor
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_loaded_state_trains_on_exactly_like_the_saved_one(
+    tiny_model_path: str, batch: Batch, tmp_path: Path, world_size: int
+) -> None:
+    """Weights, AdamW moments and the LR schedule (warmup + cosine) come back: the steps after a load
+    give the losses the original went on to give."""
+    actor = start(tiny_model_path, world_size)
+    try:
+        for _ in range(3):
+            actor.sft_step(batch)
+        actor.save_state(str(tmp_path / "state"))
+        expected = [actor.sft_step(batch)["loss"] for _ in range(2)]
+    finally:
+        actor.kill()
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == [
+        "dcp",
+        *(f"rank_{r}.pt" for r in range(world_size)),
+    ]
+    fresh = start(tiny_model_path, world_size)
+    try:
+        first_fresh = fresh.sft_step(batch)["loss"]
+        fresh.kill()
+        fresh = start(tiny_model_path, world_size)
+        fresh.load_state(str(tmp_path / "state"))
+        assert fresh.lr_step() == [3] * world_size
+        got = [fresh.sft_step(batch)["loss"] for _ in range(2)]
+    finally:
+        fresh.kill()
+    assert got == pytest.approx(expected, abs=1e-6)
+    assert abs(got[0] - first_fresh) > 1e-3  # the loaded state is not the initial one
+
+
+def test_weights_holding_nan_are_never_saved(tiny_model_path: str, tmp_path: Path) -> None:
+    actor = start(tiny_model_path)
+    try:
+        actor.poison_weights()
+        with pytest.raises(WorkerError, match="NaN or infinity.*not written"):
+            actor.save_state(str(tmp_path / "state"))
+    finally:
+        actor.kill()
+    assert not (tmp_path / "state" / "dcp").exists()
+
+
+def test_nonfinite_gradients_skip_the_update_or_stop(tiny_model_path: str, batch: Batch) -> None:
+    """``skip``: a NaN gradient norm leaves weights and LR schedule as they were and counts the skip;
+    the next finite step trains as usual. ``stop``: the error names the role, the rank and the option."""
+    actor = start(tiny_model_path)
+    try:
+        before = actor.compute_logprobs(batch)["logprobs"]
+        actor.poison_next_gradients()
+        skipped = actor.sft_step(batch)
+        assert skipped["skipped_frac"] == 1.0 and actor.lr_step() == [0]
+        torch.testing.assert_close(actor.compute_logprobs(batch)["logprobs"], before, rtol=0, atol=0)
+        actor.heal()
+        assert actor.sft_step(batch)["skipped_frac"] == 0.0 and actor.lr_step() == [1]
+    finally:
+        actor.kill()
+
+    actor = start(tiny_model_path, nonfinite_grads="stop")
+    try:
+        actor.poison_next_gradients()
+        with pytest.raises(WorkerError, match="gradient norm is nan.*actor.nonfinite_grads=skip"):
+            actor.sft_step(batch)
+    finally:
+        actor.kill()
