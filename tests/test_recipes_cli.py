@@ -160,10 +160,12 @@ def warm_start_model(repo_root, tmp_path_factory, ray_address) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("recipe", "steps"), [("ppo", 1000), ("rloo", 1000)])
+# One learning run per family beyond the quickstart's: the quickstart itself (GRPO) is the GRPO
+# family's (test_quickstart_e2e); an RLOO run here repeated it at 90 s of the suite's 15 minutes.
+@pytest.mark.parametrize(("recipe", "steps"), [("ppo", 1000)])
 def test_recipe_raises_the_held_out_score(recipe, steps, warm_start_model, repo_root, tmp_path, ray_address):
-    """PPO (critic + GAE) and a GRPO-family recipe learn from the same warm start (measured in
-    docs/algorithms.md: both climb about +0.1 to +0.2 by step 1000)."""
+    """PPO (critic + GAE) learns from the quickstart's warm start (measured in docs/algorithms.md: about
+    +0.1 to +0.2 by step 1000)."""
     out = tmp_path / recipe
     roll_train(
         repo_root,

@@ -188,13 +188,14 @@ def test_a_frozen_rollout_worker_ends_the_run_naming_it(repo_root: Path, tmp_pat
 def test_killed_rollout_and_actor_workers_are_recovered_without_losing_a_step(
     repo_root: Path, tmp_path: Path
 ) -> None:
-    """SIGKILL a rollout worker, then the actor worker, of a running job: the rollout worker is replaced
-    without a rollback, the actor from the last checkpoint; the run finishes its steps and metrics.jsonl
+    """SIGKILL the rollout worker, the reward worker, then the actor worker of a running job: rollout and
+    reward workers are replaced without a rollback, the actor restarts from the last checkpoint (beside
+    the rollout and reward workers, which outlive it); the run finishes its steps and metrics.jsonl
     holds each step exactly once."""
     out, steps = tmp_path / "run", 160
     overrides = (*QUICK_RUN[:1], f"steps={steps}", *QUICK_RUN[2:], "checkpoint.every_steps=20")
     run = start_run(repo_root, out, *overrides)
-    for role, rows in (("RolloutWorker", 30), ("ActorWorker", 75)):
+    for role, rows in (("RolloutWorker", 30), ("RewardWorker", 45), ("ActorWorker", 75)):
         wait_for_rows(out / "metrics.jsonl", rows, run)
         (pid,) = [p for p, cmd in run_processes(run.pid).items() if cmd.startswith(f"ray::{role}")]
         os.kill(pid, signal.SIGKILL)
@@ -202,8 +203,9 @@ def test_killed_rollout_and_actor_workers_are_recovered_without_losing_a_step(
     assert code == 0, stderr[-3000:]
     rows = assert_valid_metrics(out / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(1, steps + 1))
-    assert rows[-1]["recovery/restarts"] == 2
+    assert rows[-1]["recovery/restarts"] == 3
     log = stdout + stderr
     assert "lost rollout rank 0; replacing rollout workers" in log, log[-3000:]
+    assert "lost reward rank 0; replacing reward workers" in log, log[-3000:]
     assert "lost actor rank 0; restarting every worker from" in log, log[-3000:]
     assert (out / "model" / "config.json").is_file()

@@ -88,7 +88,8 @@ class RLVRPipeline:
         inputs = inputs or preflight(config)
         self.tokenizer, self.train_prompts, self.eval_prompts = inputs.tokenizer, inputs.train, inputs.eval
         self.budget = RestartBudget(config.checkpoint.max_restarts)
-        self.weights_version = 0  # the trained step whose weights the rollout workers hold
+        self.weights_version = 0  # the last weights version sent to the rollout workers (0: initial)
+        self._schedulers_made = 0
         try:
             self.run_dir = RunDirectory(config.output_dir, resume, overwrite)
             # Ray and the devices of a joined cluster come before anything is written: an impossible
@@ -141,7 +142,6 @@ class RLVRPipeline:
         self.prompt_order = PromptIterator(
             self.train_prompts.rows, cfg.rollout.rollout_batch_size, seed=cfg.seed
         )
-        self.weights_version = 0
         plan = self.plan = plan_workers(cfg, self.model_path)
         samples = plan.prompts_per_step * plan.samples_per_prompt
         algo = cfg.algorithm
@@ -152,46 +152,41 @@ class RLVRPipeline:
             algo.kl_coef > 0 and algo.kl_penalty == "reward"
         )
         self.kl_coef = algo.kl_coef  # moves each step when algorithm.kl_target is set
+        # Roles already running (rollout and reward workers that outlived a lost trainer) are kept.
+        started = set()
         cluster = self._cluster
         self.actor = cluster(
             "actor", ActorWorker, cfg.actor.world_size, plan.actor, placements=placements("actor")
         )
+        started.add("actor")
         if plan.hybrid_engine:  # the actor generates with its own model: nothing to start or sync
             self.generator, self.generator_role = self.actor, "actor"
         else:
-            self.rollout = self._new_rollout()
+            if self.rollout is None:
+                self.rollout = self._new_rollout()
+                started.add("rollout")
             self.generator, self.generator_role = self.rollout, "rollout"
-        self.reward = self._new_reward()
-        self.reference = (
-            cluster(
+        if self.reward is None:
+            self.reward = self._new_reward()
+        if algo.kl_coef > 0:
+            self.reference = cluster(
                 "reference",
                 ReferenceWorker,
                 cfg.actor.world_size,
                 _Holder(plan.actor.model),
                 placements=placements("reference"),
             )
-            if algo.kl_coef > 0
-            else None
-        )
-        self.critic = None
+            started.add("reference")
         if plan.critic is not None:
             self.critic = cluster(
                 "critic", CriticWorker, cfg.critic.world_size, plan.critic, placements=placements("critic")
             )
-        clusters = {
-            name: c
-            for name, c in (
-                ("actor", self.actor),
-                ("rollout", self.rollout),
-                ("reference", self.reference),
-                ("critic", self.critic),
-            )
-            if c
-        }
+            started.add("critic")
+        clusters = {name: c for name, c in self._clusters().items() if name != "reward"}
         self.colocation = Colocation(clusters, colocation_groups(self.roles.values()))
-        setups = {name: functools.partial(c.setup, blocking=False) for name, c in clusters.items()}
-        for trainer in ("actor", "critic"):
-            if trainer in clusters:
+        setups = {name: functools.partial(clusters[name].setup, blocking=False) for name in started}
+        for trainer in TRAINERS:
+            if trainer in started:
                 setups[trainer] = functools.partial(setup_trainer, clusters[trainer], blocking=False)
         self.colocation.start(setups)
         self.scheduler = self._new_scheduler()
@@ -206,6 +201,7 @@ class RLVRPipeline:
         )
 
     def _new_rollout(self) -> Cluster:
+        self.weights_version = 0  # what new rollout workers hold: the initial weights
         placements = self.placements("rollout")
         return self._cluster(
             "rollout", RolloutWorker, self.config.rollout.world_size, self.plan.rollout, placements=placements
@@ -221,8 +217,17 @@ class RLVRPipeline:
         else:
             backend = RayBackend(RolloutRouter(self.rollout), self.reward, pad_id)
         plan = self.plan
+        # After a recovery the rollout workers may still return requests of the scheduler before.
+        prefix = f"s{self._schedulers_made}-" if self._schedulers_made else ""
+        self._schedulers_made += 1
         scheduler = RolloutScheduler(
-            backend, self.train_prompts, self.prompt_order, plan.scheduler, plan.sampling, self.tokenizer
+            backend,
+            self.train_prompts,
+            self.prompt_order,
+            plan.scheduler,
+            plan.sampling,
+            self.tokenizer,
+            id_prefix=prefix,
         )
         scheduler.set_weights_version(self.weights_version)
         return scheduler
@@ -362,14 +367,27 @@ class RLVRPipeline:
                 clusters[role].set_rng_state(states)
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_coef = state["kl_coef"]
-        if self.weight_sync is not None and step > 0:
-            self._sync_weights(step)
-        self.weights_version = step
-        self.scheduler.set_weights_version(step)
+        # Fresh rollout workers get version ``step``, as in the run that saved it; ones that outlived a
+        # lost trainer hold a later version of the abandoned steps, so theirs must count on from it.
+        if step > 0:
+            version = max(step, self.weights_version + 1)
+            if self.weight_sync is not None:
+                self._sync_weights(version)
+            self.weights_version = version
+        self.scheduler.set_weights_version(self.weights_version)
         rng.restore(state["driver_rng"])
         results.clear()
         results.update(state["results"])
         return step
+
+    def _publish_weights(self) -> dict[str, object] | None:
+        """The trainer's weights to the rollout workers as the next version (one per step in a run that
+        never lost its rollout workers, so there version == step); returns the transfer's stats."""
+        version = self.weights_version + 1
+        sent = self._sync_weights(version) if self.weight_sync is not None else None
+        self.weights_version = version
+        self.scheduler.set_weights_version(version)
+        return sent
 
     def _sync_weights(self, version: int) -> dict[str, object]:
         self.colocation.use("actor", "rollout")
@@ -404,7 +422,7 @@ class RLVRPipeline:
         the old one's state, so the prompts in flight are generated again by the new workers."""
         set_activity(f"replacing lost {' and '.join(sorted(roles))} workers")
         state = self.scheduler.state_dict()
-        self.scheduler.close()
+        self.scheduler.close(drain_s=0.0 if "rollout" in roles else DRAIN_S)
         if "reward" in roles:
             self.reward.kill()
             self.reward = self._new_reward()
@@ -412,12 +430,14 @@ class RLVRPipeline:
             if self.weight_sync is not None:
                 self.weight_sync.close()
             self.rollout.kill()
+            version = self.weights_version
             self.rollout = self.generator = self._new_rollout()
             self.rollout.setup()
             self.colocation.clusters["rollout"] = self.rollout
             self.weight_sync = self._connect_weight_sync()
-            if self.weights_version > 0:
-                self._sync_weights(self.weights_version)
+            if version > 0:  # the trained weights, under the version the lost workers held
+                self._sync_weights(version)
+                self.weights_version = version
         self.scheduler = self._new_scheduler()
         self.scheduler.load_state_dict(state)
 
@@ -430,7 +450,9 @@ class RLVRPipeline:
         self.budget.spend(error, lost, f"restarting every worker from {last or 'the first step'}")
         tracker.print(f"WARNING: {self.budget.events[-1]}")
         start = time.perf_counter()
-        self._stop_workers()
+        # Rollout and reward workers that still answer hold nothing of the lost history that a
+        # weight sync and a new scheduler do not replace: keeping them saves their start-up.
+        self._stop_workers(keep=REPLACEABLE_ROLES - set(lost))
         stopped = time.perf_counter()
         self._start_clusters(self.placements)
         started = time.perf_counter()
@@ -487,10 +509,10 @@ class RLVRPipeline:
         if self.weight_sync is not None:
             with timer("sync"):
                 _add(metrics, self.colocation.use("actor", "rollout"))
-                sent = self._replacing(lambda: self.weight_sync.sync(version=step))
+                sent = self._replacing(self._publish_weights)
                 metrics["sync/gb_per_s"] = sent["gb_per_s"]
-        self.weights_version = step
-        self.scheduler.set_weights_version(step)
+        else:
+            self._publish_weights()
         if self.reference is not None:
             metrics["actor/kl_coef"] = self.kl_coef
             self._adapt_kl_coef(metrics, len(batch))
@@ -577,20 +599,25 @@ class RLVRPipeline:
         if self.run_dir is not None:
             self.run_dir.release()
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, keep: frozenset[str] | set[str] = frozenset()) -> None:
+        """Stop the scheduler, the weight transfer and every worker but the roles in ``keep``."""
         if self.scheduler is not None:
-            self.scheduler.close()
+            kept_rollout = "rollout" in keep and self.rollout is not None
+            self.scheduler.close(drain_s=DRAIN_S if kept_rollout else 0.0)
             self.scheduler = None
         if self.weight_sync is not None:
             self.weight_sync.close()
             self.weight_sync = None
-        for cluster in (self.actor, self.critic, self.rollout, self.reward, self.reference):
-            if cluster is not None:
+        for role, cluster in self._clusters().items():
+            if role not in keep:
                 cluster.kill()
-        self.actor = self.critic = self.rollout = self.reward = self.reference = None
+                setattr(self, role, None)
 
 
 TRAINERS = ("actor", "critic")
+# How long a closing scheduler waits for its open calls on rollout workers that a new one takes over
+# (a collect_finished returns within the router's 1 s wait).
+DRAIN_S = 5.0
 T = TypeVar("T")
 
 # Each worker call carries only the fields its worker reads: pickling the whole batch (texts, dataset

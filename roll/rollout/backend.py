@@ -77,6 +77,10 @@ class RolloutBackend(abc.ABC):
     def poll(self, timeout_s: float) -> Events:
         """Wait up to ``timeout_s`` for results; returns what arrived (possibly nothing)."""
 
+    def drain(self, timeout_s: float) -> None:  # noqa: B027 - optional hook
+        """Wait up to ``timeout_s`` for the calls still open and drop what they bring, so that none of
+        them takes results meant for a later scheduler on the same workers."""
+
 
 def score_batch(jobs: Sequence[ScoreJob], pad_id: int) -> Batch:
     """The reward workers' input for ``jobs``: texts, dataset rows and the response token ids."""
@@ -128,6 +132,9 @@ class RayBackend(RolloutBackend):
             )
             self._reward_calls[future] = (rank, chunk)
             self._reward_load[rank] += len(chunk)
+
+    def drain(self, timeout_s: float) -> None:
+        self.router.drain(timeout_s)
 
     def poll(self, timeout_s: float) -> Events:
         futures = [*self.router.outstanding(), *self._reward_calls]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import ray
+
 from roll.distributed.cluster import Cluster, ClusterFuture
 from roll.strategies.infer.base import GenerateRequest, GenerateResult
 
@@ -55,6 +57,16 @@ class RolloutRouter:
                 )
                 self._collects[future] = worker
         return [*self._collects, *self._calls]
+
+    def drain(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the calls in flight (a ``collect_finished`` returns within
+        ``collect_wait_s``) and drop their results and errors, opening no new ones: a collect left open
+        would take the results of whoever sends to these workers next."""
+        refs = [ref for future in [*self._collects, *self._calls] for ref in future.refs]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        self._collects.clear()
+        self._calls.clear()
 
     def take(self, future: ClusterFuture) -> list[GenerateResult]:
         """The results of a ready call from ``outstanding`` (none for a submit or an abort, whose errors

@@ -116,6 +116,8 @@ class RolloutScheduler:
         poll_s: how long one pump waits for results before it looks at the state again.
         params_for: sampling parameters per dataset row (e.g. a per-row token budget); unset: ``params``
             for every request.
+        id_prefix: starts every request id. A scheduler that follows another on the same rollout
+            workers (after a recovery) needs its own, so late results of the old one are told apart.
     """
 
     def __init__(
@@ -129,8 +131,10 @@ class RolloutScheduler:
         clock: Callable[[], float] = time.monotonic,
         poll_s: float = 0.02,
         params_for: Callable[[dict], SamplingParams] | None = None,
+        id_prefix: str = "",
     ):
         self.backend, self.prompts, self.prompt_order = backend, prompts, prompt_order
+        self.id_prefix = id_prefix
         self.spec, self.params, self.tokenizer = spec, params, tokenizer
         self.clock, self.poll_s = clock, poll_s
         self.params_for = params_for or (lambda row: params)
@@ -197,8 +201,10 @@ class RolloutScheduler:
             self._prompt_queue.extend(int(i) for i in state["pending_prompts"])
             self._requeued = len(self._prompt_queue)
 
-    def close(self) -> None:
-        """Stop the background thread and abort every request in flight."""
+    def close(self, drain_s: float = 0.0) -> None:
+        """Stop the background thread and abort every request in flight. ``drain_s`` > 0: then wait up
+        to that long for the calls still open on the workers, for a scheduler that takes over the same
+        workers next (see ``RolloutBackend.drain``)."""
         with self._lock:
             self._closed = True
             self._changed.notify_all()
@@ -208,6 +214,8 @@ class RolloutScheduler:
             self._drop_all_live(wait=False)
         except Exception:  # noqa: BLE001 - workers may already be gone at shutdown
             pass
+        if drain_s > 0:
+            self.backend.drain(drain_s)
 
     # ----- pumping: draw, send, poll, react ------------------------------------------------------------
 
@@ -281,7 +289,8 @@ class RolloutScheduler:
     def _new_group(self, prompt_index: int) -> None:
         group_id = self._next_group_id
         self._next_group_id += 1
-        samples = [Sample(f"g{group_id}-{i}", group_id, i) for i in range(self.spec.num_return_sequences)]
+        prefix = f"{self.id_prefix}g{group_id}"
+        samples = [Sample(f"{prefix}-{i}", group_id, i) for i in range(self.spec.num_return_sequences)]
         now = self.clock()
         for sample in samples:
             sample.times[S.QUEUED] = now
@@ -322,6 +331,8 @@ class RolloutScheduler:
             self._on_scored(scored, now)
 
     def _on_generated(self, result: GenerateResult, now: float) -> ScoreJob | None:
+        if not result.request_id.startswith(self.id_prefix):
+            return None  # an earlier scheduler's request, aborted when it closed
         self.balancer.finish(result.request_id)
         sample = self._samples.get(result.request_id)
         if sample is None or sample.state is not S.GENERATING:

@@ -21,7 +21,7 @@ from types import FrameType
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-_state = {"received": None, "activity": "start-up", "installed": False, "deferred": False}
+_state = {"received": None, "activity": "start-up", "installed": False, "deferred": False, "during": None}
 
 
 class StopRequested(BaseException):
@@ -39,7 +39,8 @@ def set_activity(activity: str) -> None:
 
 
 def activity() -> str:
-    return _state["activity"]
+    """What the run was doing when the stop signal arrived (what it is doing now, before one)."""
+    return _state["during"] or _state["activity"]
 
 
 def received() -> int | None:
@@ -57,6 +58,7 @@ def _handle(signum: int, frame: FrameType | None) -> None:
         sys.stderr.flush()
         os._exit(exit_code(signum))
     _state["received"] = signum
+    _state["during"] = _state["activity"]  # the step it stopped in, not the saving that follows
     if _state["deferred"]:
         sys.stderr.write(
             f"roll: stopping on {signal.Signals(signum).name} once {_state['activity']} is finished and "
@@ -96,7 +98,7 @@ def stop_on_signals() -> Iterator[None]:
         yield
         return
     previous = {sig: signal.signal(sig, _handle) for sig in STOP_SIGNALS}
-    _state.update(received=None, activity="start-up", installed=True)
+    _state.update(received=None, activity="start-up", installed=True, during=None)
     try:
         yield
     finally:
