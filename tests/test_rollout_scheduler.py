@@ -15,6 +15,7 @@ from roll.data.prompts import PromptSet
 from roll.rollout.lifecycle import IllegalTransition, Sample, SampleState, stage_seconds
 from roll.rollout.load_balancer import LoadBalancer
 from roll.rollout.scheduler import RolloutScheduler, SchedulerSpec
+from roll.strategies.infer import GenerateResult
 from roll.strategies.infer.base import GenerateRequest
 from roll.strategies.sampling import SamplingParams
 
@@ -271,3 +272,28 @@ def test_state_dict_restores_the_cursor_and_the_prompts_not_yet_trained_on() -> 
     assert torch.equal(got["scores"], expected["scores"])
     with pytest.raises(RuntimeError, match="before the scheduler draws"):
         restored.load_state_dict(state)
+
+
+def test_a_scheduler_taking_over_workers_ignores_the_results_of_the_one_before() -> None:
+    """After a recovery a new scheduler shares rollout workers with a closed one whose aborted requests
+    may still come back: with its own id prefix it takes only its own results (an old "g0-0" would
+    otherwise be taken for its own), and its batch is the one a fresh scheduler makes."""
+    backend = FakeBackend(distinct, num_workers=2)
+    for k in range(4):  # what the closed scheduler's aborts left in flight
+        backend._push(0.0, "generated", GenerateResult(f"g0-{k}", [], [], "abort"))
+    prompts = prompt_set(64)
+    new = RolloutScheduler(
+        backend,
+        prompts,
+        PromptIterator(prompts.rows, 4, seed=0),
+        SchedulerSpec(rollout_batch_size=4, num_return_sequences=4),
+        PARAMS,
+        FakeTokenizer(),
+        clock=backend.clock,
+        id_prefix="s1-",
+    )
+    batch, _ = new.next_batch(1)
+    assert all(rid.startswith("s1-g") for _, _, ids in backend.submits for rid in ids)
+    expected, _ = scheduler(FakeBackend(distinct, num_workers=2)).next_batch(1)
+    assert batch["scores"].tolist() == expected["scores"].tolist()
+    assert batch["sample"] == expected["sample"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -90,6 +91,7 @@ class RLVRPipeline:
         self.budget = RestartBudget(config.checkpoint.max_restarts)
         self.weights_version = 0  # the last weights version sent to the rollout workers (0: initial)
         self._schedulers_made = 0
+        self._draining: RolloutBackend | None = None  # a closed scheduler's backend, see _close_scheduler
         try:
             self.run_dir = RunDirectory(config.output_dir, resume, overwrite)
             # Ray and the devices of a joined cluster come before anything is written: an impossible
@@ -210,7 +212,18 @@ class RLVRPipeline:
     def _new_reward(self) -> Cluster:
         return self._cluster("reward", RewardWorker, self.config.reward_world_size, self.config.reward)
 
+    def _close_scheduler(self, keeps_rollout: bool) -> None:
+        """Close the scheduler. When its rollout workers stay for the next one, its calls still open on
+        them are drained before the next one starts (``_new_scheduler``), so none takes results meant
+        for it; meanwhile the replacement workers start."""
+        self.scheduler.close()
+        self._draining = self.scheduler.backend if keeps_rollout else None
+        self.scheduler = None
+
     def _new_scheduler(self) -> RolloutScheduler:
+        if self._draining is not None:
+            self._draining.drain(DRAIN_S)
+            self._draining = None
         pad_id = self.tokenizer.pad_token_id
         if self.rollout is None:
             backend: RolloutBackend = BatchBackend(self.actor, self.reward, pad_id)
@@ -421,8 +434,9 @@ class RLVRPipeline:
         """New rollout and/or reward clusters in place of the old ones; the scheduler starts again from
         the old one's state, so the prompts in flight are generated again by the new workers."""
         set_activity(f"replacing lost {' and '.join(sorted(roles))} workers")
+        start = time.perf_counter()
         state = self.scheduler.state_dict()
-        self.scheduler.close(drain_s=0.0 if "rollout" in roles else DRAIN_S)
+        self._close_scheduler(keeps_rollout="rollout" not in roles)
         if "reward" in roles:
             self.reward.kill()
             self.reward = self._new_reward()
@@ -440,6 +454,9 @@ class RLVRPipeline:
                 self.weights_version = version
         self.scheduler = self._new_scheduler()
         self.scheduler.load_state_dict(state)
+        logger.warning(
+            "replaced the %s workers in %.1f s", " and ".join(sorted(roles)), time.perf_counter() - start
+        )
 
     def _restart(self, error: BaseException, tracker: Tracker, results: dict[str, float]) -> int:
         """Every worker started again from the last valid checkpoint (a lost trainer, reference or a
@@ -602,9 +619,7 @@ class RLVRPipeline:
     def _stop_workers(self, keep: frozenset[str] | set[str] = frozenset()) -> None:
         """Stop the scheduler, the weight transfer and every worker but the roles in ``keep``."""
         if self.scheduler is not None:
-            kept_rollout = "rollout" in keep and self.rollout is not None
-            self.scheduler.close(drain_s=DRAIN_S if kept_rollout else 0.0)
-            self.scheduler = None
+            self._close_scheduler(keeps_rollout="rollout" in keep and self.rollout is not None)
         if self.weight_sync is not None:
             self.weight_sync.close()
             self.weight_sync = None
@@ -614,6 +629,7 @@ class RLVRPipeline:
                 setattr(self, role, None)
 
 
+logger = logging.getLogger(__name__)
 TRAINERS = ("actor", "critic")
 # How long a closing scheduler waits for its open calls on rollout workers that a new one takes over
 # (a collect_finished returns within the router's 1 s wait).

@@ -201,10 +201,9 @@ class RolloutScheduler:
             self._prompt_queue.extend(int(i) for i in state["pending_prompts"])
             self._requeued = len(self._prompt_queue)
 
-    def close(self, drain_s: float = 0.0) -> None:
-        """Stop the background thread and abort every request in flight. ``drain_s`` > 0: then wait up
-        to that long for the calls still open on the workers, for a scheduler that takes over the same
-        workers next (see ``RolloutBackend.drain``)."""
+    def close(self) -> None:
+        """Stop the background thread and abort every request in flight. A scheduler that takes over
+        the same workers must first ``drain`` this one's backend."""
         with self._lock:
             self._closed = True
             self._changed.notify_all()
@@ -214,8 +213,6 @@ class RolloutScheduler:
             self._drop_all_live(wait=False)
         except Exception:  # noqa: BLE001 - workers may already be gone at shutdown
             pass
-        if drain_s > 0:
-            self.backend.drain(drain_s)
 
     # ----- pumping: draw, send, poll, react ------------------------------------------------------------
 
