@@ -115,3 +115,26 @@ def other_model_path(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: 
     fields = json.loads((Path(tiny_model_path) / TINY_CONFIG_FILE).read_text())
     cfg = TinyModelConfig(**{**fields, "seed": fields["seed"] + 1})
     return str(save_tiny_model(cfg, tmp_path_factory.mktemp("models") / "other"))
+
+
+@pytest.fixture
+def read_only_parent(tmp_path: Path) -> Iterator[Path]:
+    """A directory this process cannot write into; skipped where permission bits do not bind (root)."""
+    parent = tmp_path / "locked"
+    parent.mkdir()
+    parent.chmod(0o500)
+    try:
+        if _can_create_in(parent):  # root (with CAP_DAC_OVERRIDE) ignores the permission bits
+            pytest.skip("permission bits do not bind this process")
+        yield parent
+    finally:
+        parent.chmod(0o700)
+
+
+def _can_create_in(directory: Path) -> bool:
+    try:
+        (directory / "probe").mkdir()
+    except PermissionError:
+        return False
+    (directory / "probe").rmdir()
+    return True

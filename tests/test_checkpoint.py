@@ -7,7 +7,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,29 +40,6 @@ def steps(root: Path) -> list[int]:
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     return checkpoint.checkpoints_root(tmp_path / "run")
-
-
-@pytest.fixture
-def read_only_parent(tmp_path: Path) -> Iterator[Path]:
-    """A directory this process cannot write into; skipped where permission bits do not bind (root)."""
-    parent = tmp_path / "locked"
-    parent.mkdir()
-    parent.chmod(0o500)
-    try:
-        if _can_create_in(parent):  # root (with CAP_DAC_OVERRIDE) ignores the permission bits
-            pytest.skip("permission bits do not bind this process")
-        yield parent
-    finally:
-        parent.chmod(0o700)
-
-
-def _can_create_in(directory: Path) -> bool:
-    try:
-        (directory / "probe").mkdir()
-    except PermissionError:
-        return False
-    (directory / "probe").rmdir()
-    return True
 
 
 def flip_a_byte(file: Path) -> None:

@@ -156,6 +156,14 @@ def test_a_stop_signal_ends_the_run_cleanly(
         last = checkpoint.latest_valid(checkpoint.checkpoints_root(out))
         assert last is not None and checkpoint.checkpoint_step(last) == rows[-1]["step"], stderr
         assert f"The last checkpoint is {last}; continue with: roll resume {out}" in line
+        # ... and the command it names continues the run: two more steps, each step logged once.
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        command = [sys.executable, "-m", "roll.cli", "resume", str(out), f"steps={rows[-1]['step'] + 2}"]
+        resumed = subprocess.run(command, cwd=repo_root, env=env, capture_output=True, text=True, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"resumed from {last} after step {rows[-1]['step']}" in resumed.stdout
+        steps = [row["step"] for row in assert_valid_metrics(out / metrics_file)]
+        assert steps == list(range(1, rows[-1]["step"] + 3))
     else:  # the warm start writes no checkpoints
         assert "Nothing was saved" in line
     assert_nothing_left(ray_processes)
@@ -185,17 +193,19 @@ def test_a_frozen_rollout_worker_ends_the_run_naming_it(repo_root: Path, tmp_pat
 
 
 @pytest.mark.slow
-def test_killed_rollout_and_actor_workers_are_recovered_without_losing_a_step(
+def test_killed_workers_of_every_role_are_recovered_without_losing_a_step(
     repo_root: Path, tmp_path: Path
 ) -> None:
-    """SIGKILL the rollout worker, the reward worker, then the actor worker of a running job: rollout and
-    reward workers are replaced without a rollback, the actor restarts from the last checkpoint (beside
-    the rollout and reward workers, which outlive it); the run finishes its steps and metrics.jsonl
-    holds each step exactly once."""
+    """SIGKILL the rollout, reward and reference workers, then the actor worker of a running job: the
+    first three are replaced without a rollback, the actor restarts from the last checkpoint (beside
+    the others, which outlive it); the run finishes its steps and metrics.jsonl holds each step exactly
+    once."""
     out, steps = tmp_path / "run", 160
     overrides = (*QUICK_RUN[:1], f"steps={steps}", *QUICK_RUN[2:], "checkpoint.every_steps=20")
+    overrides += ("algorithm.kl_coef=0.001", "checkpoint.max_restarts=4")  # a reference model to kill
     run = start_run(repo_root, out, *overrides)
-    for role, rows in (("RolloutWorker", 30), ("RewardWorker", 45), ("ActorWorker", 75)):
+    kills = (("RolloutWorker", 30), ("RewardWorker", 45), ("ReferenceWorker", 60), ("ActorWorker", 85))
+    for role, rows in kills:
         wait_for_rows(out / "metrics.jsonl", rows, run)
         (pid,) = [p for p, cmd in run_processes(run.pid).items() if cmd.startswith(f"ray::{role}")]
         os.kill(pid, signal.SIGKILL)
@@ -203,9 +213,9 @@ def test_killed_rollout_and_actor_workers_are_recovered_without_losing_a_step(
     assert code == 0, stderr[-3000:]
     rows = assert_valid_metrics(out / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(1, steps + 1))
-    assert rows[-1]["recovery/restarts"] == 3
+    assert rows[-1]["recovery/restarts"] == 4
     log = stdout + stderr
-    assert "lost rollout rank 0; replacing rollout workers" in log, log[-3000:]
-    assert "lost reward rank 0; replacing reward workers" in log, log[-3000:]
+    for role in ("rollout", "reward", "reference"):
+        assert f"lost {role} rank 0; replacing {role} workers" in log, log[-3000:]
     assert "lost actor rank 0; restarting every worker from" in log, log[-3000:]
     assert (out / "model" / "config.json").is_file()

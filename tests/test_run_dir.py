@@ -208,29 +208,6 @@ def test_release_lets_the_directory_be_claimed_again(tmp_path: Path, claims: lis
     assert (tmp_path / LOCK_FILE).read_text() == f"pid {os.getpid()}\n"
 
 
-@pytest.fixture
-def read_only_parent(tmp_path: Path) -> Iterator[Path]:
-    """A directory this process cannot write into; skipped where permission bits do not bind (root)."""
-    parent = tmp_path / "locked"
-    parent.mkdir()
-    parent.chmod(0o500)
-    try:
-        if _can_create_in(parent):  # root (with CAP_DAC_OVERRIDE) ignores the permission bits
-            pytest.skip("permission bits do not bind this process")
-        yield parent
-    finally:
-        parent.chmod(0o700)
-
-
-def _can_create_in(directory: Path) -> bool:
-    try:
-        (directory / "probe").mkdir()
-    except PermissionError:
-        return False
-    (directory / "probe").rmdir()
-    return True
-
-
 @pytest.mark.parametrize("inside", [False, True], ids=["the-dir-itself", "a-new-subdir"])
 def test_an_unwritable_output_dir_is_a_config_error(read_only_parent: Path, inside: bool) -> None:
     output_dir = read_only_parent / "run" if inside else read_only_parent

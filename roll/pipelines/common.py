@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -143,3 +143,50 @@ def open_tracker(config: Any, total_steps: int) -> Tracker:
         config.tracking.log_every,
         config=dataclasses.asdict(config),
     )
+
+
+def save_run_checkpoint(
+    config: Any,
+    step: int,
+    trainers: Mapping[str, Cluster],
+    driver_state: Callable[[], dict[str, Any]],
+    tracker: Tracker,
+) -> Path:
+    """The checkpoint of ``step`` (``roll.checkpoint``): each trainer's weights, optimizer, LR schedule and
+    RNGs under ``<role>/`` with its weights again in HF format under ``<role>/hf``, and the pipeline's
+    ``driver_state()`` with the step and the driver's RNG in ``pipeline.pt``."""
+    from roll import checkpoint
+    from roll.utils import rng
+    from roll.utils.signals import set_activity
+
+    set_activity(f"saving the checkpoint of step {step}")
+    start = time.perf_counter()
+
+    def write(directory: Path) -> None:
+        for role, trainer in trainers.items():
+            trainer.save_state(str(directory / role))
+            trainer.save_pretrained(str(directory / role / "hf"))
+        state = {"step": step, "driver_rng": rng.capture(), **driver_state()}
+        torch.save(state, directory / checkpoint.PIPELINE_STATE)
+
+    root = checkpoint.checkpoints_root(config.output_dir)
+    path = checkpoint.save_checkpoint(root, step, write, config.checkpoint.keep_last)
+    tracker.print(f"checkpoint of step {step} saved to {path} in {time.perf_counter() - start:.1f} s")
+    return path
+
+
+def load_run_checkpoint(path: Path, trainers: Mapping[str, Cluster]) -> dict[str, Any]:
+    """Load each trainer's state from the checkpoint at ``path`` and restore the driver's RNG; returns
+    the pipeline's state (``step`` and what ``save_run_checkpoint``'s ``driver_state`` gave)."""
+    from roll import checkpoint
+    from roll.utils import rng
+    from roll.utils.signals import set_activity
+
+    set_activity(f"loading the checkpoint {path}")
+    state = torch.load(path / checkpoint.PIPELINE_STATE, weights_only=False)  # written by this code
+    for role, trainer in trainers.items():
+        if not (path / role).is_dir():
+            raise checkpoint.CheckpointError(f"{path} holds no {role} state (was the config changed?)")
+        trainer.load_state(str(path / role))
+    rng.restore(state["driver_rng"])
+    return state

@@ -16,8 +16,8 @@ from roll.distributed.weight_sync import WeightSyncError
 
 logger = logging.getLogger(__name__)
 
-# Stateless between steps: replaced in place, and the step that lost them runs on (no rollback).
-REPLACEABLE_ROLES = frozenset({"rollout", "reward"})
+# No training state: replaced in place, and the step that lost them runs on (no rollback).
+REPLACEABLE_ROLES = frozenset({"rollout", "reward", "reference"})
 
 
 def lost_workers(error: BaseException, clusters: Mapping[str, Cluster]) -> dict[str, list[int]]:

@@ -35,8 +35,10 @@ from roll.pipelines.common import (
     checkpoint_due,
     evaluate,
     is_eval_step,
+    load_run_checkpoint,
     open_tracker,
     prepare_model,
+    save_run_checkpoint,
     setup_trainer,
     write_resolved_config,
 )
@@ -54,7 +56,7 @@ from roll.pipelines.run_dir import RunDirectory
 from roll.pipelines.worker_specs import device_roles, plan_workers, updates_per_step
 from roll.rollout import BatchBackend, RayBackend, RolloutBackend, RolloutRouter, RolloutScheduler
 from roll.tracking import Tracker
-from roll.utils import rng, signals
+from roll.utils import signals
 from roll.utils.signals import set_activity
 from roll.workers.actor import ActorWorker
 from roll.workers.base import ModelSpec
@@ -170,14 +172,8 @@ class RLVRPipeline:
             self.generator, self.generator_role = self.rollout, "rollout"
         if self.reward is None:
             self.reward = self._new_reward()
-        if algo.kl_coef > 0:
-            self.reference = cluster(
-                "reference",
-                ReferenceWorker,
-                cfg.actor.world_size,
-                _Holder(plan.actor.model),
-                placements=placements("reference"),
-            )
+        if algo.kl_coef > 0 and self.reference is None:
+            self.reference = self._new_reference()
             started.add("reference")
         if plan.critic is not None:
             self.critic = cluster(
@@ -207,6 +203,14 @@ class RLVRPipeline:
         placements = self.placements("rollout")
         return self._cluster(
             "rollout", RolloutWorker, self.config.rollout.world_size, self.plan.rollout, placements=placements
+        )
+
+    def _new_reference(self) -> Cluster:
+        # The reference model is the initial policy and lives on the actor's devices.
+        placements = self.placements("reference")
+        holder = _Holder(self.plan.actor.model)
+        return self._cluster(
+            "reference", ReferenceWorker, self.config.actor.world_size, holder, placements=placements
         )
 
     def _new_reward(self) -> Cluster:
@@ -336,44 +340,30 @@ class RLVRPipeline:
 
     # ---------------------------------------------------------------- checkpoints and recovery
     def save_checkpoint(self, step: int, results: dict[str, float], tracker: Tracker) -> Path:
-        """The full state after ``step`` (see ``roll.checkpoint``): trainers' weights, optimizers, LR
-        schedules and RNGs, every other worker's RNG, and the driver's state."""
-        set_activity(f"saving the checkpoint of step {step}")
-        start = time.perf_counter()
+        """The full state after ``step``: trainers' weights, optimizers, LR schedules and RNGs, every
+        other worker's RNG, the scheduler's state and the driver's."""
 
-        def write(directory: Path) -> None:
-            for role, trainer in (("actor", self.actor), ("critic", self.critic)):
-                if trainer is not None:
-                    trainer.save_state(str(directory / role))
-                    trainer.save_pretrained(str(directory / role / "hf"))
-            others = {role: c.rng_state() for role, c in self._clusters().items() if role not in TRAINERS}
-            state = {
-                "step": step,
+        def driver_state() -> dict[str, object]:
+            # First, so that a worker lost here is replaced before the scheduler's state is read.
+            worker_rng = self._replacing(
+                lambda: {role: c.rng_state() for role, c in self._clusters().items() if role not in TRAINERS}
+            )
+            return {
                 "results": dict(results),
                 "kl_coef": self.kl_coef,
                 "scheduler": self.scheduler.state_dict(),
-                "driver_rng": rng.capture(),
-                "worker_rng": others,
+                "worker_rng": worker_rng,
             }
-            torch.save(state, directory / checkpoint.PIPELINE_STATE)
 
-        root = checkpoint.checkpoints_root(self.config.output_dir)
-        path = checkpoint.save_checkpoint(root, step, write, self.config.checkpoint.keep_last)
-        tracker.print(f"checkpoint of step {step} saved to {path} in {time.perf_counter() - start:.1f} s")
-        return path
+        return save_run_checkpoint(self.config, step, self._trainers(), driver_state, tracker)
+
+    def _trainers(self) -> dict[str, Cluster]:
+        return {role: c for role, c in self._clusters().items() if role in TRAINERS}
 
     def _restore(self, path: Path, results: dict[str, float]) -> int:
-        """Load the checkpoint at ``path`` into freshly started workers; returns its step."""
-        set_activity(f"loading the checkpoint {path}")
-        state = torch.load(path / checkpoint.PIPELINE_STATE, weights_only=False)
+        """Load the checkpoint at ``path`` into the workers; returns its step."""
+        state = load_run_checkpoint(path, self._trainers())
         step = state["step"]
-        for role, trainer in (("actor", self.actor), ("critic", self.critic)):
-            if trainer is not None:
-                if not (path / role).is_dir():
-                    raise checkpoint.CheckpointError(
-                        f"{path} holds no {role} state (was the config changed?)"
-                    )
-                trainer.load_state(str(path / role))
         clusters = self._clusters()
         for role, states in state["worker_rng"].items():
             if role in clusters:
@@ -388,7 +378,6 @@ class RLVRPipeline:
                 self._sync_weights(version)
             self.weights_version = version
         self.scheduler.set_weights_version(self.weights_version)
-        rng.restore(state["driver_rng"])
         results.clear()
         results.update(state["results"])
         return step
@@ -417,9 +406,9 @@ class RLVRPipeline:
         return {role: c for role, c in named.items() if c is not None}
 
     def _replacing(self, call: Callable[[], T]) -> T:
-        """``call()``; when it fails because rollout or reward workers were lost, they are replaced and
-        ``call`` runs again: those workers hold no training state, so no step is lost or repeated. A
-        lost trainer is left to ``_restart``."""
+        """``call()``; when it fails because rollout, reward or reference workers were lost, they are
+        replaced and ``call`` runs again: those workers hold no training state, so no step is lost or
+        repeated. A lost trainer is left to ``_restart``."""
         while True:
             try:
                 return call()
@@ -431,10 +420,23 @@ class RLVRPipeline:
                 self._replace(set(lost))
 
     def _replace(self, roles: set[str]) -> None:
-        """New rollout and/or reward clusters in place of the old ones; the scheduler starts again from
-        the old one's state, so the prompts in flight are generated again by the new workers."""
+        """New clusters in place of the lost rollout, reward or reference ones. After a rollout or reward
+        loss the scheduler starts again from the old one's state, so the prompts in flight are generated
+        again by the new workers; the reference model is the initial policy, loaded again."""
         set_activity(f"replacing lost {' and '.join(sorted(roles))} workers")
         start = time.perf_counter()
+        if "reference" in roles:
+            self.reference.kill()
+            self.reference = self._new_reference()
+            self.reference.setup()
+            self.colocation.clusters["reference"] = self.reference
+        if roles & {"rollout", "reward"}:
+            self._replace_rollout_side(roles)
+        logger.warning(
+            "replaced the %s workers in %.1f s", " and ".join(sorted(roles)), time.perf_counter() - start
+        )
+
+    def _replace_rollout_side(self, roles: set[str]) -> None:
         state = self.scheduler.state_dict()
         self._close_scheduler(keeps_rollout="rollout" not in roles)
         if "reward" in roles:
@@ -454,21 +456,19 @@ class RLVRPipeline:
                 self.weights_version = version
         self.scheduler = self._new_scheduler()
         self.scheduler.load_state_dict(state)
-        logger.warning(
-            "replaced the %s workers in %.1f s", " and ".join(sorted(roles)), time.perf_counter() - start
-        )
 
     def _restart(self, error: BaseException, tracker: Tracker, results: dict[str, float]) -> int:
-        """Every worker started again from the last valid checkpoint (a lost trainer, reference or a
-        collective that cannot be repaired alone); returns the step the run goes on after."""
+        """The trainers (and any lost worker) started again from the last valid checkpoint: a lost actor
+        or critic, or a loss found outside the calls ``_replacing`` guards; returns the step the run goes
+        on after."""
         lost = lost_workers(error, self._clusters())
         root = checkpoint.checkpoints_root(self.config.output_dir)
         last = checkpoint.latest_valid(root)
         self.budget.spend(error, lost, f"restarting every worker from {last or 'the first step'}")
         tracker.print(f"WARNING: {self.budget.events[-1]}")
         start = time.perf_counter()
-        # Rollout and reward workers that still answer hold nothing of the lost history that a
-        # weight sync and a new scheduler do not replace: keeping them saves their start-up.
+        # Rollout, reward and reference workers that still answer hold nothing of the lost history that
+        # a weight sync and a new scheduler do not replace: keeping them saves their start-up.
         self._stop_workers(keep=REPLACEABLE_ROLES - set(lost))
         stopped = time.perf_counter()
         self._start_clusters(self.placements)
@@ -562,7 +562,8 @@ class RLVRPipeline:
         temperature = self.config.rollout.temperature
         if self.reference is not None:
             _add(metrics, self.colocation.use("reference"))
-            batch["ref_logprobs"] = self.reference.compute_logprobs(_tensors(batch), temperature)["logprobs"]
+            reference = self._replacing(lambda: self.reference.compute_logprobs(_tensors(batch), temperature))
+            batch["ref_logprobs"] = reference["logprobs"]
         if self.needs_old_logprobs:
             _add(metrics, self.colocation.use("actor"))
             batch["old_logprobs"] = self.actor.compute_logprobs(_tensors(batch), temperature)["logprobs"]

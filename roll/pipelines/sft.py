@@ -18,10 +18,12 @@ from roll.pipelines.common import (
     checkpoint_due,
     evaluate,
     is_eval_step,
+    load_run_checkpoint,
     open_tracker,
     prepare_model,
     prompt_batch,
     response_tensors,
+    save_run_checkpoint,
     setup_trainer,
     write_resolved_config,
 )
@@ -32,7 +34,7 @@ from roll.pipelines.worker_specs import from_section
 from roll.rewards import score_response
 from roll.strategies.sampling import SamplingParams
 from roll.tracking import Tracker
-from roll.utils import rng, signals
+from roll.utils import signals
 from roll.utils.signals import set_activity
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
 from roll.workers.base import ModelSpec
@@ -153,30 +155,13 @@ class SFTPipeline:
         return metrics
 
     def save_checkpoint(self, step: int, results: dict[str, float], tracker: Tracker) -> Path:
-        """Weights, optimizer, LR schedule and RNG of every rank, and the data order (``roll.checkpoint``)."""
-        set_activity(f"saving the checkpoint of {self.name} step {step}")
-
-        def write(directory: Path) -> None:
-            self.actor.save_state(str(directory / "actor"))
-            self.actor.save_pretrained(str(directory / "actor" / "hf"))
-            state = {
-                "step": step,
-                "results": dict(results),
-                "data_order": self.order.state_dict(),
-                "driver_rng": rng.capture(),
-            }
-            torch.save(state, directory / checkpoint.PIPELINE_STATE)
-
-        root = checkpoint.checkpoints_root(self.config.output_dir)
-        path = checkpoint.save_checkpoint(root, step, write, self.config.checkpoint.keep_last)
-        tracker.print(f"checkpoint of step {step} saved to {path}")
-        return path
+        """Weights, optimizer, LR schedule and RNG of every rank, and the data order."""
+        driver_state = {"results": dict(results), "data_order": self.order.state_dict()}
+        return save_run_checkpoint(self.config, step, {"actor": self.actor}, lambda: driver_state, tracker)
 
     def _restore(self, path: Path, results: dict[str, float]) -> int:
-        state = torch.load(path / checkpoint.PIPELINE_STATE, weights_only=False)
-        self.actor.load_state(str(path / "actor"))
+        state = load_run_checkpoint(path, {"actor": self.actor})
         self.order.load_state_dict(state["data_order"])
-        rng.restore(state["driver_rng"])
         results.clear()
         results.update(state["results"])
         return state["step"]
