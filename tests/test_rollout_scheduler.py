@@ -12,6 +12,8 @@ from fake_rollout import FakeBackend, FakeTokenizer
 from roll.algorithms.filters import GROUP_FILTERS
 from roll.data.dataset import PromptIterator
 from roll.data.prompts import PromptSet
+from roll.distributed.errors import WorkerError
+from roll.rollout.backend import Events
 from roll.rollout.lifecycle import IllegalTransition, Sample, SampleState, stage_seconds
 from roll.rollout.load_balancer import LoadBalancer
 from roll.rollout.scheduler import RolloutScheduler, SchedulerSpec
@@ -297,3 +299,17 @@ def test_a_scheduler_taking_over_workers_ignores_the_results_of_the_one_before()
     expected, _ = scheduler(FakeBackend(distinct, num_workers=2)).next_batch(1)
     assert batch["scores"].tolist() == expected["scores"].tolist()
     assert batch["sample"] == expected["sample"]
+
+
+def test_a_lost_worker_in_the_background_thread_surfaces_as_its_own_error() -> None:
+    """With async generation the pumping thread meets a dead rollout worker: next_batch raises that
+    WorkerError itself (role, rank, method), the type the pipeline's recovery acts on."""
+
+    class DyingBackend(FakeBackend):
+        def poll(self, timeout_s: float) -> Events:
+            raise WorkerError("rollout", 1, "collect_finished", "the worker process died")
+
+    sched = scheduler(DyingBackend(distinct, num_workers=2), async_generation_ratio=1)
+    with pytest.raises(WorkerError, match="rollout rank 1 failed in collect_finished"):
+        sched.next_batch(1)
+    sched.close()

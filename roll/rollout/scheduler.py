@@ -221,7 +221,9 @@ class RolloutScheduler:
             with self._changed:
                 while True:
                     if self._error is not None:
-                        raise RuntimeError(f"the rollout scheduler failed: {self._error}") from self._error
+                        # The worker's own error, not a wrapper: the pipeline recovers from a lost
+                        # worker by its type, and it names the role, rank and method already.
+                        raise self._error
                     groups = self._take_batch()
                     if groups is not None:
                         return groups
