@@ -408,6 +408,12 @@ def test_sft_config_cross_field_checks(tmp_path: Path) -> None:
     assert "Did you mean 'exact_match'" in message
 
 
+def test_sft_config_rejects_standby_workers(tmp_path: Path) -> None:
+    """An option SFT does not read is an error there, not silently ignored."""
+    message = load_error(["checkpoint.standby_workers=true"], path=str(write_sft_config(tmp_path)))
+    assert "checkpoint.standby_workers is not supported by pipeline: sft" in message
+
+
 def test_unknown_pipeline_lists_pipelines(tmp_path: Path) -> None:
     message = load_error([], path=str(write_sft_config(tmp_path, pipeline="foo")))
     assert "foo" in message

@@ -98,3 +98,36 @@ def test_a_second_run_into_a_run_directory_is_refused_before_anything_starts(tmp
         run_pipeline(config)
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert not (out / "config.yaml").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_session", "at_repo_root")
+def test_a_standby_rollout_worker_takes_over_a_lost_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``checkpoint.standby_workers``: an idle, warmed-up rollout cluster waits beside the live one; when
+    the live one is killed, the standby becomes the rollout cluster (no process to start) and a new
+    standby is made for the next loss. Each step is still logged once."""
+    import logging
+    import os
+    import signal
+
+    from roll.pipelines.rlvr import RLVRPipeline
+
+    out = tmp_path / "run"
+    overrides = [f"output_dir={out}", "sft_warm_start=null", "data.eval_path=null", "eval.every_steps=0"]
+    overrides += ["steps=3", "checkpoint.standby_workers=true", "tracking.backends=[jsonl]"]
+    pipeline = RLVRPipeline(load_config("examples/quickstart.yaml", overrides))
+    try:
+        standby = pipeline._standby["rollout"]
+        assert set(pipeline._standby) == {"actor", "rollout", "reward"}
+        (live,) = pipeline.rollout.ping()
+        os.kill(live["pid"], signal.SIGKILL)
+        with caplog.at_level(logging.WARNING):
+            pipeline._train()
+        assert pipeline.rollout is standby and pipeline.budget.restarts == 1
+        assert pipeline._standby["rollout"] is not standby  # a new one waits for the next loss
+        assert "replaced the rollout workers" in caplog.text and "(standby processes)" in caplog.text
+    finally:
+        pipeline.shutdown()
+    assert [row["step"] for row in metrics(out)] == [1, 2, 3]

@@ -134,6 +134,12 @@ class CheckpointConfig:
         3,
         ge=0,
         help="Worker deaths, timeouts and frozen workers recovered from within the running job before it "
-        "gives up (0: the first one ends the run). Rollout and reward workers are replaced without "
-        "losing a step; a lost trainer rebuilds every worker from the last checkpoint.",
+        "gives up (0: the first one ends the run). Rollout, reward and reference workers are replaced "
+        "without losing a step; a lost actor or critic restarts the trainers from the last checkpoint.",
+    )
+    standby_workers: bool = option(
+        False,
+        help="Keep one started, idle process per rank of every role (imports done, no model loaded), so "
+        "that a recovery takes it instead of starting a process: about 3 s less per recovery on a 2-core "
+        "machine. Costs about 0.5 GB of host memory per rank. RLVR only.",
     )

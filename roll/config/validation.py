@@ -130,6 +130,11 @@ def validate_sft(cfg: SFTConfig) -> list[str]:
     problems += check_sft_train(cfg.train, "train")
     problems += check_sequence_fits(cfg.model, cfg.data.max_prompt_length, cfg.eval.max_new_tokens)
     problems += check_reward("reward", cfg.reward)
+    if cfg.checkpoint.standby_workers:
+        problems.append(
+            "checkpoint.standby_workers is not supported by pipeline: sft (its one trainer restarts from "
+            "the last checkpoint when lost); remove it"
+        )
     return problems
 
 

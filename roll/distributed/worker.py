@@ -85,6 +85,11 @@ class Worker:
         return os.getpid(), socket.gethostname()
 
     @register(Dispatch.ONE_TO_ALL)
+    def warm_up(self) -> None:
+        """Import what ``setup`` will need, ahead of it: a standby worker that takes over after a loss
+        then starts in the time its own state takes to load. Nothing by default."""
+
+    @register(Dispatch.ONE_TO_ALL)
     def rng_state(self) -> dict[str, Any]:
         """This rank's random generator states (for a checkpoint); one per rank in rank order."""
         from roll.utils import rng

@@ -94,6 +94,7 @@ class RLVRPipeline:
         self.weights_version = 0  # the last weights version sent to the rollout workers (0: initial)
         self._schedulers_made = 0
         self._draining: RolloutBackend | None = None  # a closed scheduler's backend, see _close_scheduler
+        self._standby: dict[str, Cluster] = {}  # idle clusters for recoveries, see _fill_standby
         try:
             self.run_dir = RunDirectory(config.output_dir, resume, overwrite)
             # Ray and the devices of a joined cluster come before anything is written: an impossible
@@ -106,6 +107,7 @@ class RLVRPipeline:
                 resumed = self.run_dir.resume_from is not None
                 self.model_path = self._warm_started_model() if resumed else self._warm_start(inputs)
             self._start_clusters(self.placements)
+            self._fill_standby()
         except BaseException:
             self.shutdown()  # whatever started before the failure (or a stop signal) is released
             raise
@@ -126,7 +128,9 @@ class RLVRPipeline:
             reward=cfg.eval_reward or cfg.reward,
             eval=dataclasses.replace(cfg.eval, every_steps=0),
             # Part of this run: its checkpoints are the RL ones, and a resumed run skips it.
-            checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=0, max_restarts=0),
+            checkpoint=dataclasses.replace(
+                cfg.checkpoint, every_steps=0, max_restarts=0, standby_workers=False
+            ),
             tracking=cfg.tracking,
             ray=cfg.ray,
         )
@@ -156,33 +160,25 @@ class RLVRPipeline:
             algo.kl_coef > 0 and algo.kl_penalty == "reward"
         )
         self.kl_coef = algo.kl_coef  # moves each step when algorithm.kl_target is set
-        # Roles already running (rollout and reward workers that outlived a lost trainer) are kept.
+        # Roles already running (workers that outlived a lost trainer) are kept.
         started = set()
-        cluster = self._cluster
-        self.actor = cluster(
-            "actor", ActorWorker, cfg.actor.world_size, plan.actor, placements=placements("actor")
+        for role in self._factories():
+            if getattr(self, role) is None:
+                setattr(self, role, self._take(role))
+                started.add(role)
+        if "rollout" in started:
+            self.weights_version = 0  # new rollout workers hold the initial weights
+        self.generator, self.generator_role = (
+            (self.actor, "actor") if plan.hybrid_engine else (self.rollout, "rollout")
         )
-        started.add("actor")
-        if plan.hybrid_engine:  # the actor generates with its own model: nothing to start or sync
-            self.generator, self.generator_role = self.actor, "actor"
-        else:
-            if self.rollout is None:
-                self.rollout = self._new_rollout()
-                started.add("rollout")
-            self.generator, self.generator_role = self.rollout, "rollout"
-        if self.reward is None:
-            self.reward = self._new_reward()
-        if algo.kl_coef > 0 and self.reference is None:
-            self.reference = self._new_reference()
-            started.add("reference")
-        if plan.critic is not None:
-            self.critic = cluster(
-                "critic", CriticWorker, cfg.critic.world_size, plan.critic, placements=placements("critic")
-            )
-            started.add("critic")
         clusters = {name: c for name, c in self._clusters().items() if name != "reward"}
         self.colocation = Colocation(clusters, colocation_groups(self.roles.values()))
-        setups = {name: functools.partial(clusters[name].setup, blocking=False) for name in started}
+        # Reward workers load nothing: they need no setup.
+        setups = {
+            name: functools.partial(c.setup, blocking=False)
+            for name, c in clusters.items()
+            if name in started
+        }
         for trainer in TRAINERS:
             if trainer in started:
                 setups[trainer] = functools.partial(setup_trainer, clusters[trainer], blocking=False)
@@ -198,8 +194,50 @@ class RLVRPipeline:
             *args, timeout_s=cfg.ray.call_timeout_s, plugins=cfg.imports, liveness=liveness, **kwargs
         )
 
+    def _factories(self) -> dict[str, Callable[[], Cluster]]:
+        """How to start each role this run has (the actor generates itself with the hybrid engine; a
+        reference only with a KL term; a critic only when configured)."""
+        cfg, plan = self.config, self.plan
+        factories: dict[str, Callable[[], Cluster]] = {"actor": self._new_actor}
+        if not plan.hybrid_engine:
+            factories["rollout"] = self._new_rollout
+        factories["reward"] = self._new_reward
+        if cfg.algorithm.kl_coef > 0:
+            factories["reference"] = self._new_reference
+        if plan.critic is not None:
+            factories["critic"] = self._new_critic
+        return factories
+
+    def _take(self, role: str) -> Cluster:
+        """A new cluster of ``role``: its standby (``checkpoint.standby_workers``) if one is waiting."""
+        standby = self._standby.pop(role, None)
+        return standby if standby is not None else self._factories()[role]()
+
+    def _fill_standby(self) -> None:
+        """With ``checkpoint.standby_workers``, one started, idle cluster per role, warming up (imports)
+        in the background, for the next recovery to take."""
+        if not self.config.checkpoint.standby_workers:
+            return
+        for role, factory in self._factories().items():
+            if role not in self._standby:
+                self._standby[role] = factory()
+                self._standby[role].warm_up(blocking=False)
+
+    def _new_actor(self) -> Cluster:
+        cfg = self.config
+        placements = self.placements("actor")
+        return self._cluster(
+            "actor", ActorWorker, cfg.actor.world_size, self.plan.actor, placements=placements
+        )
+
+    def _new_critic(self) -> Cluster:
+        cfg = self.config
+        placements = self.placements("critic")
+        return self._cluster(
+            "critic", CriticWorker, cfg.critic.world_size, self.plan.critic, placements=placements
+        )
+
     def _new_rollout(self) -> Cluster:
-        self.weights_version = 0  # what new rollout workers hold: the initial weights
         placements = self.placements("rollout")
         return self._cluster(
             "rollout", RolloutWorker, self.config.rollout.world_size, self.plan.rollout, placements=placements
@@ -427,27 +465,32 @@ class RLVRPipeline:
         start = time.perf_counter()
         if "reference" in roles:
             self.reference.kill()
-            self.reference = self._new_reference()
+            self.reference = self._take("reference")
             self.reference.setup()
             self.colocation.clusters["reference"] = self.reference
+        standby = self.config.checkpoint.standby_workers
         if roles & {"rollout", "reward"}:
             self._replace_rollout_side(roles)
         logger.warning(
-            "replaced the %s workers in %.1f s", " and ".join(sorted(roles)), time.perf_counter() - start
+            "replaced the %s workers in %.1f s%s",
+            " and ".join(sorted(roles)),
+            time.perf_counter() - start,
+            " (standby processes)" if standby else "",
         )
+        self._fill_standby()
 
     def _replace_rollout_side(self, roles: set[str]) -> None:
         state = self.scheduler.state_dict()
         self._close_scheduler(keeps_rollout="rollout" not in roles)
         if "reward" in roles:
             self.reward.kill()
-            self.reward = self._new_reward()
+            self.reward = self._take("reward")
         if "rollout" in roles:
             if self.weight_sync is not None:
                 self.weight_sync.close()
             self.rollout.kill()
             version = self.weights_version
-            self.rollout = self.generator = self._new_rollout()
+            self.rollout = self.generator = self._take("rollout")
             self.rollout.setup()
             self.colocation.clusters["rollout"] = self.rollout
             self.weight_sync = self._connect_weight_sync()
@@ -480,6 +523,7 @@ class RLVRPipeline:
             for key in [k for k in results if k != "eval/score_before"]:
                 del results[key]
         tracker.rewind(step)
+        self._fill_standby()
         tracker.print(
             f"restarted after step {step} in {time.perf_counter() - start:.1f} s (stopping the workers "
             f"{stopped - start:.1f} s, starting them {started - stopped:.1f} s, loading the checkpoint "
@@ -611,6 +655,9 @@ class RLVRPipeline:
 
     def shutdown(self) -> None:
         self._stop_workers()
+        for standby in self._standby.values():
+            standby.kill()
+        self._standby.clear()
         if self.device_table is not None:
             self.device_table.remove()  # frees the devices for the next job on a shared cluster
             self.device_table = None

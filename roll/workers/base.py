@@ -50,6 +50,16 @@ class ModelWorker(Worker):
         self.model = self.load_model(spec)
         self.model.eval()
 
+    @register(Dispatch.ONE_TO_ALL)
+    def warm_up(self) -> None:
+        """Import transformers and the model's class (seconds of a worker's start; loading a small
+        model's weights is less), without loading anything."""
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        config = AutoConfig.from_pretrained(self.config.model.path)
+        MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config))  # the lookup imports the class's module
+
     def load_model(self, spec: ModelSpec) -> torch.nn.Module:
         """The worker's model on ``self.device``: a causal LM here; the critic loads a value model."""
         from roll.models.loading import load_causal_lm
