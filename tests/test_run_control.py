@@ -200,7 +200,7 @@ def test_killed_workers_of_every_role_are_recovered_without_losing_a_step(
     first three are replaced without a rollback, the actor restarts from the last checkpoint (beside
     the others, which outlive it); the run finishes its steps and metrics.jsonl holds each step exactly
     once."""
-    out, steps = tmp_path / "run", 160
+    out, steps = tmp_path / "run", 120
     overrides = (*QUICK_RUN[:1], f"steps={steps}", *QUICK_RUN[2:], "checkpoint.every_steps=20")
     overrides += ("algorithm.kl_coef=0.001", "checkpoint.max_restarts=4")  # a reference model to kill
     run = start_run(repo_root, out, *overrides)
