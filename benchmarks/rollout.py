@@ -106,7 +106,7 @@ from typing import Any
 import torch
 
 from roll.distributed.cluster import wait_any
-from roll.rollout.backend import Events, RolloutBackend, ScoreJob, score_batch, scored_from
+from roll.rollout.backend import Events, RewardDispatch, RolloutBackend, ScoreJob
 from roll.rollout.lifecycle import Sample, SampleState, stage_seconds
 from roll.strategies.infer.base import GenerateRequest, GenerateResult
 
@@ -313,7 +313,7 @@ class FakeEngineBackend(RolloutBackend):
     when it was sampled (``set_version`` records each change)."""
 
     def __init__(self, reward, pad_id: int, num_workers: int, token_s: float, token_ids: Sequence[int]):
-        self.reward, self.pad_id, self.num_workers = reward, pad_id, num_workers
+        self.rewards, self.num_workers = RewardDispatch(reward, pad_id), num_workers
         self.token_s, self.token_ids = token_s, list(token_ids)
         self.logprob = -math.log(len(self.token_ids))
         self.rng = random.Random(0)
@@ -323,8 +323,6 @@ class FakeEngineBackend(RolloutBackend):
         self._ends: list[tuple[float, int, str]] = []  # heap of (end time, order, request id)
         self._order = itertools.count()
         self._done: list = []  # results ready for the next poll (aborts)
-        self._reward_calls: dict[Any, tuple[int, list]] = {}  # future -> (rank, jobs)
-        self._reward_load = [0] * reward.world_size
 
     def set_version(self, version: int) -> None:
         with self._lock:
@@ -348,15 +346,7 @@ class FakeEngineBackend(RolloutBackend):
                     self._done.append(self._result(request, start, made, "abort"))
 
     def score(self, jobs) -> None:
-        shares = min(len(jobs), self.reward.world_size)
-        for part in range(shares):
-            chunk = list(jobs[part::shares])
-            rank = min(range(self.reward.world_size), key=self._reward_load.__getitem__)
-            future = self.reward.call_rank(
-                rank, "compute_rewards", score_batch(chunk, self.pad_id), blocking=False
-            )
-            self._reward_calls[future] = (rank, chunk)
-            self._reward_load[rank] += len(chunk)
+        self.rewards.send(jobs)
 
     def poll(self, timeout_s: float):
         deadline = time.monotonic() + timeout_s
@@ -372,15 +362,13 @@ class FakeEngineBackend(RolloutBackend):
                         budget = request.params.max_new_tokens
                         events.generated.append(self._result(request, start, budget, "length"))
                 next_end = self._ends[0][0] if self._ends else math.inf
-            for future in wait_any(list(self._reward_calls), 0):
-                rank, jobs = self._reward_calls.pop(future)
-                self._reward_load[rank] -= len(jobs)
-                events.scored += scored_from(jobs, future.get())
+            for future in wait_any(list(self.rewards.calls), 0):
+                events.scored += self.rewards.take(future)
             if events.generated or events.scored or now >= deadline:
                 return events
             wait = max(min(deadline, next_end) - now, 0.0)
-            if self._reward_calls:
-                wait_any(list(self._reward_calls), wait)
+            if self.rewards.calls:
+                wait_any(list(self.rewards.calls), wait)
             else:
                 time.sleep(wait)
 

@@ -104,16 +104,42 @@ def scored_from(jobs: Sequence[ScoreJob], out: Batch) -> list[Scored]:
     ]
 
 
+class RewardDispatch:
+    """Finished responses to the reward workers, in non-blocking calls: each set of jobs is spread over
+    the ranks with the fewest responses outstanding. ``calls`` are the calls in flight; ``take`` turns
+    one that is ready into scores."""
+
+    def __init__(self, reward: Cluster, pad_id: int):
+        self.reward, self.pad_id = reward, pad_id
+        self.calls: dict[ClusterFuture, tuple[int, list[ScoreJob]]] = {}  # future -> (rank, jobs)
+        self._load = [0] * reward.world_size
+
+    def send(self, jobs: Sequence[ScoreJob]) -> None:
+        shares = min(len(jobs), self.reward.world_size)
+        for part in range(shares):
+            chunk = list(jobs[part::shares])
+            rank = min(range(self.reward.world_size), key=self._load.__getitem__)
+            future = self.reward.call_rank(
+                rank, "compute_rewards", score_batch(chunk, self.pad_id), blocking=False
+            )
+            self.calls[future] = (rank, chunk)
+            self._load[rank] += len(chunk)
+
+    def take(self, future: ClusterFuture) -> list[Scored]:
+        rank, jobs = self.calls.pop(future)
+        self._load[rank] -= len(jobs)
+        return scored_from(jobs, future.get())
+
+
 class RayBackend(RolloutBackend):
     """Rollout workers take single requests through ``router``; ``reward`` workers score responses in
     calls of their own. Every call is non-blocking and ``poll`` waits on all of them at once, so a reward
     is computed while the rest of the batch still generates."""
 
     def __init__(self, router: RolloutRouter, reward: Cluster, pad_id: int):
-        self.router, self.reward, self.pad_id = router, reward, pad_id
+        self.router = router
         self.num_workers = router.num_workers
-        self._reward_calls: dict[ClusterFuture, tuple[int, list[ScoreJob]]] = {}
-        self._reward_load = [0] * reward.world_size
+        self.rewards = RewardDispatch(reward, pad_id)
 
     def submit(self, worker: int, requests: Sequence[GenerateRequest]) -> None:
         self.router.send(worker, requests)
@@ -122,28 +148,17 @@ class RayBackend(RolloutBackend):
         self.router.abort(worker, request_ids)
 
     def score(self, jobs: Sequence[ScoreJob]) -> None:
-        """Spread ``jobs`` over the reward workers with the fewest responses outstanding."""
-        shares = min(len(jobs), self.reward.world_size)
-        for part in range(shares):
-            chunk = list(jobs[part::shares])
-            rank = min(range(self.reward.world_size), key=self._reward_load.__getitem__)
-            future = self.reward.call_rank(
-                rank, "compute_rewards", score_batch(chunk, self.pad_id), blocking=False
-            )
-            self._reward_calls[future] = (rank, chunk)
-            self._reward_load[rank] += len(chunk)
+        self.rewards.send(jobs)
 
     def drain(self, timeout_s: float) -> None:
         self.router.drain(timeout_s)
 
     def poll(self, timeout_s: float) -> Events:
-        futures = [*self.router.outstanding(), *self._reward_calls]
+        futures = [*self.router.outstanding(), *self.rewards.calls]
         events = Events()
         for future in wait_any(futures, timeout_s):
-            if future in self._reward_calls:
-                rank, jobs = self._reward_calls.pop(future)
-                self._reward_load[rank] -= len(jobs)
-                events.scored += scored_from(jobs, future.get())
+            if future in self.rewards.calls:
+                events.scored += self.rewards.take(future)
             else:
                 events.generated += self.router.take(future)
         return events
