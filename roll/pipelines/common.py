@@ -190,3 +190,25 @@ def load_run_checkpoint(path: Path, trainers: Mapping[str, Cluster]) -> dict[str
         trainer.load_state(str(path / role))
     rng.restore(state["driver_rng"])
     return state
+
+
+def begin_run(
+    tracker: Tracker,
+    resume_from: Path | None,
+    restore: Callable[[Path, dict[str, float]], int],
+    evaluate_before: Callable[[], dict[str, float]] | None,
+) -> tuple[int, dict[str, float]]:
+    """The step a run starts after and its results so far: from the checkpoint ``resume_from`` when
+    there is one (``restore`` loads it; later metric rows are cut), else 0 after the evaluation before
+    training (logged as step 0), when there is one."""
+    results: dict[str, float] = {}
+    if resume_from is not None:
+        last = restore(resume_from, results)
+        tracker.rewind(last)
+        tracker.print(f"resumed from {resume_from} after step {last}")
+        return last, results
+    if evaluate_before is not None:
+        before = evaluate_before()
+        tracker.log(0, before)
+        results["eval/score_before"] = before["eval/score"]
+    return 0, results

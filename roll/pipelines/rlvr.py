@@ -32,6 +32,7 @@ from roll.distributed.ray_utils import init_ray
 from roll.distributed.weight_sync import WeightSync, WeightSyncError
 from roll.pipelines.common import (
     StageTimer,
+    begin_run,
     checkpoint_due,
     evaluate,
     is_eval_step,
@@ -326,17 +327,12 @@ class RLVRPipeline:
     def _train(self) -> dict[str, float]:
         cfg = self.config
         with open_tracker(cfg, cfg.steps) as tracker:
-            results: dict[str, float] = {}
-            last = 0
-            if self.run_dir.resume_from is not None:
-                last = self._restore(self.run_dir.resume_from, results)
-                tracker.rewind(last)
-                tracker.print(f"resumed from {self.run_dir.resume_from} after step {last}")
-            elif self.eval_prompts is not None:
-                set_activity("the evaluation before RL")
-                before = self._replacing(self.evaluate)
-                tracker.log(0, before)
-                results["eval/score_before"] = before["eval/score"]
+            last, results = begin_run(
+                tracker,
+                self.run_dir.resume_from,
+                self._restore,
+                self._evaluate_before if self.eval_prompts is not None else None,
+            )
             metrics: dict[str, float] = {}
             step = last + 1
             while step <= cfg.steps:
@@ -367,6 +363,10 @@ class RLVRPipeline:
             if self.critic is not None:
                 self.critic.save_pretrained(str(Path(cfg.output_dir) / "critic"))
         return results
+
+    def _evaluate_before(self) -> dict[str, float]:
+        set_activity("the evaluation before RL")
+        return self._replacing(self.evaluate)
 
     def _step_and_evaluate(self, step: int, tracker: Tracker, results: dict[str, float]) -> dict[str, float]:
         metrics = self.step(step)

@@ -15,6 +15,7 @@ from roll.distributed.cluster import Cluster, WorkerError
 from roll.distributed.liveness import Liveness
 from roll.distributed.ray_utils import init_ray
 from roll.pipelines.common import (
+    begin_run,
     checkpoint_due,
     evaluate,
     is_eval_step,
@@ -109,16 +110,8 @@ class SFTPipeline:
     def _train(self) -> str:
         cfg = self.config
         with open_tracker(cfg, cfg.train.steps) as tracker:
-            results: dict[str, float] = {}
-            last = 0
-            if self.run_dir.resume_from is not None:
-                last = self._restore(self.run_dir.resume_from, results)
-                tracker.rewind(last)
-                tracker.print(f"resumed from {self.run_dir.resume_from} after step {last}")
-            elif self.eval_prompts is not None:
-                before = self.evaluate()
-                tracker.log(0, before)
-                results["eval/score_before"] = before["eval/score"]
+            evaluate_before = self.evaluate if self.eval_prompts is not None else None
+            last, results = begin_run(tracker, self.run_dir.resume_from, self._restore, evaluate_before)
             metrics: dict[str, float] = {}
             step = last + 1
             while step <= cfg.train.steps:
