@@ -52,7 +52,7 @@ def rejected(output_dir: Path, config: str, *overrides: str) -> str:
 
 
 BAD_SETTINGS = [
-    (["reward_world_size=3"], ["(64) must be divisible by reward_world_size (3)"]),
+    (["domains={m: {train_path: x.jsonl}}"], ["domains.m.train_path: 'x.jsonl' does not exist", "set exactly one"]),
     (
         ["tracking.backends=[console,wandb]"],
         ["tracking.backends", "'wandb'", "console, jsonl, tensorboard"],

@@ -451,6 +451,10 @@ def all_field_names(cls: type, prefix: str = "") -> set[str]:
         for candidate in (hints[f.name], *typing.get_args(hints[f.name])):
             if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
                 names |= all_field_names(candidate, f"{prefix}{f.name}.")
+        if typing.get_origin(hints[f.name]) is dict:  # named sections: domains.<name>.train_path
+            value_type = typing.get_args(hints[f.name])[1]
+            if dataclasses.is_dataclass(value_type):
+                names |= all_field_names(value_type, f"{prefix}{f.name}.<name>.")
     return names
 
 
@@ -460,6 +464,8 @@ def test_field_docs_covers_every_field_recursively(schema: type) -> None:
     assert set(docs) == all_field_names(schema)
     # Optional sections (``X | None``) are walked too.
     assert "model.tiny.alphabet" in docs
+    if schema is RLVRConfig:
+        assert "domains.<name>.reward_world_size" in docs
     if schema is RLVRConfig:
         assert "sft_warm_start.lr" in docs
 
@@ -576,6 +582,7 @@ UNBOUNDED = {
     "rollout.num_devices_per_worker",  # checked with the device mapping it divides
     "algorithm.clip_ratio_low",  # in (0, 1): an open interval, checked in check_algorithm
     "algorithm.clip_ratio_c",  # > 1, but only when policy_loss is dual_clip
+    "domains.rewards",  # reward weights: a negative one is a penalty
 }
 
 

@@ -40,7 +40,9 @@ class ModelConfig:
 class DataConfig:
     """JSONL rows, one prompt each; every field of a row also reaches the reward function."""
 
-    train_path: str = option(help="JSONL file of training rows.")
+    train_path: str | None = option(
+        None, help="JSONL file of training rows (required, except in an RLVR run with `domains`)."
+    )
     eval_path: str | None = option(None, help="JSONL file of held-out rows for greedy evaluation.")
     prompt_key: str = option("prompt", help="Row field holding the prompt text.")
     response_key: str = option("answer", help="Row field holding the reference response (the SFT target).")

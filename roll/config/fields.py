@@ -43,6 +43,14 @@ def nested_dataclass(annotation: Any) -> type | None:
     return None
 
 
+def named_sections(annotation: Any) -> type | None:
+    """The dataclass ``X`` of a ``dict[str, X]`` field (sections keyed by a name), else None."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is dict and len(args) == 2:
+        return nested_dataclass(args[1])
+    return None
+
+
 def field_docs(cls: type, prefix: str = "") -> dict[str, str]:
     """Map every dotted field name of a config dataclass (nested ones too) to its help text."""
     hints = typing.get_type_hints(cls)
@@ -53,6 +61,9 @@ def field_docs(cls: type, prefix: str = "") -> dict[str, str]:
         inner = nested_dataclass(hints[f.name])
         if inner is not None:
             docs.update(field_docs(inner, prefix=f"{name}."))
+        named = named_sections(hints[f.name])
+        if named is not None:
+            docs.update(field_docs(named, prefix=f"{name}.<name>."))
     return docs
 
 
@@ -81,6 +92,11 @@ def out_of_bounds(config: Any, prefix: str = "") -> list[str]:
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value):
             problems += out_of_bounds(value, prefix=f"{prefix}{f.name}.")
+            continue
+        if isinstance(value, dict):  # named sections, e.g. RLVR's domains
+            for name, section in value.items():
+                if dataclasses.is_dataclass(section):
+                    problems += out_of_bounds(section, prefix=f"{prefix}{f.name}.{name}.")
             continue
         bounds = f.metadata.get("bounds")
         if bounds and isinstance(value, (int, float)) and not _within(value, bounds):

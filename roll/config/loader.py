@@ -151,7 +151,11 @@ def _unknown_key_hint(e: OmegaConfBaseException, schema: type) -> str:
 
 
 def _doc(schema: type, key: str) -> str:
-    return field_docs(schema).get(key, "no default")
+    docs = field_docs(schema)
+    # A key inside a named section (domains.math.train_path) is documented as domains.<name>.train_path.
+    parts = key.split(".")
+    generic = ".".join([parts[0], "<name>", *parts[2:]]) if len(parts) > 2 else key
+    return docs.get(key, docs.get(generic, "no default"))
 
 
 def _register_validators() -> None:

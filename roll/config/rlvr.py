@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from roll.config.common import (
     CheckpointConfig,
@@ -219,6 +219,38 @@ class CriticConfig(ActorConfig):
 
 
 @dataclass
+class DomainConfig:
+    """One task family of a multi-domain run (math, code, puzzles, ...): its data, its share of every
+    rollout batch, its reward and its reward workers."""
+
+    train_path: str = option(help="JSONL file of this domain's training rows.")
+    eval_path: str | None = option(
+        None, help="JSONL file of held-out rows, scored as eval/<domain>/score (unset: not evaluated)."
+    )
+    ratio: float = option(
+        1.0, gt=0, help="Share of each rollout batch's prompts; ratios are relative to the other domains'."
+    )
+    reward: str | None = option(
+        None, help="Reward function (registry name); set this or `rewards`, not both."
+    )
+    rewards: dict[str, float] = option(
+        {}, help="Weighted rewards, name -> weight: the score is their weighted sum (instead of `reward`)."
+    )
+    reward_multipliers: list[str] = option(
+        [],
+        help="Rewards whose scores multiply the score, e.g. a format rule that zeroes a badly laid-out "
+        "answer (a rule used as a reward goes in `rewards` instead).",
+    )
+    reward_options: dict[str, dict[str, Any]] = option(
+        {}, help="Keyword options per reward name, e.g. {code_tests: {mode: all, timeout_s: 2}}."
+    )
+    eval_reward: str | None = option(
+        None, help="Reward function for eval/<domain>/score; unset scores held-out rows like training."
+    )
+    reward_world_size: int = option(1, gt=0, help="Reward workers for this domain.")
+
+
+@dataclass
 class RLVRConfig:
     """`pipeline: rlvr` - sample, score with a verifiable reward, update the policy."""
 
@@ -242,6 +274,11 @@ class RLVRConfig:
         default=None,
         metadata={"help": "Value model; needed by advantage_estimator=gae (PPO), unused otherwise."},
     )
+    domains: dict[str, DomainConfig] = option(
+        {},
+        help="Multi-domain RL: name -> domain (its own data, batch share, reward, workers and metrics). "
+        "Replaces data.train_path / data.eval_path, reward, eval_reward and reward_world_size.",
+    )
     reward: str = option("exact_match", help="Reward function (registry name) scoring each response.")
     eval_reward: str | None = option(
         None,
@@ -254,3 +291,23 @@ class RLVRConfig:
     )
     tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"help": "Metric sinks."})
     ray: RayConfig = field(default_factory=RayConfig, metadata={"help": "Ray connection."})
+
+
+# The domain a single-dataset run (no `domains:` section) is made of.
+DEFAULT_DOMAIN = "default"
+
+
+def run_domains(cfg: RLVRConfig) -> dict[str, DomainConfig]:
+    """The run's domains: ``cfg.domains``, or for a single-dataset run one domain made of ``data``,
+    ``reward``, ``eval_reward`` and ``reward_world_size``."""
+    if cfg.domains:
+        return dict(cfg.domains)
+    return {
+        DEFAULT_DOMAIN: DomainConfig(
+            train_path=cfg.data.train_path,
+            eval_path=cfg.data.eval_path,
+            reward=cfg.reward,
+            eval_reward=cfg.eval_reward,
+            reward_world_size=cfg.reward_world_size,
+        )
+    }

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from roll.config.common import EvalConfig, ModelConfig, TrackingConfig
 from roll.config.fields import out_of_bounds
-from roll.config.rlvr import ActorConfig, RLVRConfig
+from roll.config.rlvr import ActorConfig, DomainConfig, RLVRConfig
 from roll.config.sft import SFTConfig, SFTTrainConfig
 from roll.utils.registry import Registry
 
@@ -101,11 +101,54 @@ def check_tracking(tracking: TrackingConfig) -> list[str]:
 
 def check_common(cfg: RLVRConfig | SFTConfig) -> list[str]:
     """Checks every pipeline shares: the model, the data files, metric sinks."""
-    problems = check_model(cfg.model) + check_tiny_model(cfg.model)
+    problems = check_model(cfg.model) + check_tiny_model(cfg.model) + check_tracking(cfg.tracking)
+    if isinstance(cfg, RLVRConfig) and cfg.domains:
+        return problems + check_domains(cfg)
+    if cfg.data.train_path is None:
+        return problems + ["data.train_path is required: set it to a JSONL file of training rows"]
     problems += check_file("data.train_path", cfg.data.train_path)
     problems += check_file("data.eval_path", cfg.data.eval_path)
-    problems += check_tracking(cfg.tracking)
     return problems + check_eval(cfg.eval, cfg.data.eval_path)
+
+
+def check_domains(cfg: RLVRConfig) -> list[str]:
+    """A multi-domain run: each domain's files and reward, and no single-dataset key left that the
+    domains replace (it would be read by nothing)."""
+    from roll.rewards.spec import check_spec, domain_specs
+
+    defaults = RLVRConfig(domains=cfg.domains)
+    problems = [
+        f"{key} is set, but with `domains` each domain has its own; move it into domains.<name>.{key}"
+        for key in ("reward", "eval_reward", "reward_world_size")
+        if getattr(cfg, key) != getattr(defaults, key)
+    ]
+    problems += [
+        f"data.{key} is set, but with `domains` each domain has its own; move it into domains.<name>.{key}"
+        for key in ("train_path", "eval_path")
+        if getattr(cfg.data, key) is not None
+    ]
+    for name, domain in cfg.domains.items():
+        problems += check_domain(f"domains.{name}", domain)
+        if not problems:
+            train, held_out = domain_specs(domain)
+            problems += check_spec(f"domains.{name}", train)
+            if held_out is not train:
+                problems += check_spec(f"domains.{name}.eval_reward", held_out)
+    if cfg.eval.every_steps > 0 and not any(d.eval_path for d in cfg.domains.values()):
+        problems.append(
+            "eval.every_steps > 0 needs an eval_path in at least one domain (or set eval.every_steps=0)"
+        )
+    return problems
+
+
+def check_domain(key: str, domain: DomainConfig) -> list[str]:
+    problems = check_file(f"{key}.train_path", domain.train_path)
+    problems += check_file(f"{key}.eval_path", domain.eval_path)
+    if (domain.reward is None) == (not domain.rewards):
+        problems.append(
+            f"{key}: set exactly one of `reward` (one registry name) and `rewards` (name -> weight)"
+        )
+    return problems
 
 
 def check_sequence_fits(model: ModelConfig, max_prompt_length: int, max_new_tokens: int) -> list[str]:
@@ -296,17 +339,16 @@ def validate_rlvr(cfg: RLVRConfig) -> list[str]:
     problems += check_divides(
         "rollout.world_size", rollout.world_size, "rollout.rollout_batch_size", rollout.rollout_batch_size
     )
-    # Each reward worker scores an equal share of every step's responses.
-    problems += check_divides("reward_world_size", cfg.reward_world_size, SAMPLES_KEY, samples)
     problems += check_update_batches("actor", cfg.actor, samples, rollout.num_return_sequences)
     if cfg.critic is not None:
         problems += check_update_batches("critic", cfg.critic, samples, rollout.num_return_sequences)
     problems += check_algorithm(cfg)
     problems += check_dynamic_sampling(cfg)
     problems += check_async_generation(cfg)
-    problems += check_reward("reward", cfg.reward)
-    if cfg.eval_reward is not None:
-        problems += check_reward("eval_reward", cfg.eval_reward)
+    if not cfg.domains:
+        problems += check_reward("reward", cfg.reward)
+        if cfg.eval_reward is not None:
+            problems += check_reward("eval_reward", cfg.eval_reward)
     problems += check_sequence_fits(
         cfg.model, cfg.data.max_prompt_length, max(rollout.max_new_tokens, cfg.eval.max_new_tokens)
     )

@@ -12,19 +12,57 @@ from dataclasses import dataclass
 from typing import Any
 
 from roll.config.common import DataConfig
+from roll.config.rlvr import DEFAULT_DOMAIN
 from roll.data.dataset import DatasetError, read_jsonl
 
 
 @dataclass
 class PromptSet:
-    """Dataset rows with their rendered prompt text and token ids (tokenised once, at load)."""
+    """Dataset rows with their rendered prompt text and token ids (tokenised once, at load), and the
+    domain each row belongs to (``domains``; None: every row is in ``DEFAULT_DOMAIN``)."""
 
     rows: list[dict]
     texts: list[str]
     token_ids: list[list[int]]
+    domains: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def domain_of(self, index: int) -> str:
+        return DEFAULT_DOMAIN if self.domains is None else self.domains[index]
+
+    def domain_names(self) -> list[str]:
+        """The domains of the rows, in order of first appearance."""
+        return [DEFAULT_DOMAIN] if self.domains is None else list(dict.fromkeys(self.domains))
+
+    def select(self, indices: Sequence[int]) -> PromptSet:
+        return PromptSet(
+            [self.rows[i] for i in indices],
+            [self.texts[i] for i in indices],
+            [self.token_ids[i] for i in indices],
+            None if self.domains is None else [self.domains[i] for i in indices],
+        )
+
+    def by_domain(self) -> dict[str, PromptSet]:
+        """The rows of each domain, in order."""
+        if self.domains is None:
+            return {DEFAULT_DOMAIN: self}
+        return {
+            name: self.select([i for i, d in enumerate(self.domains) if d == name])
+            for name in self.domain_names()
+        }
+
+    @staticmethod
+    def concat(named: dict[str, PromptSet]) -> PromptSet:
+        """One set holding each domain's rows in turn, every row tagged with its domain's name."""
+        sets = list(named.values())
+        return PromptSet(
+            [row for s in sets for row in s.rows],
+            [text for s in sets for text in s.texts],
+            [ids for s in sets for ids in s.token_ids],
+            [name for name, s in named.items() for _ in range(len(s))],
+        )
 
 
 def render_prompt(tokenizer: Any, prompt: str, apply_chat_template: bool) -> str:

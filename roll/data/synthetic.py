@@ -38,7 +38,103 @@ def write_addition_split(
             f.writelines(json.dumps(row) + "\n" for row in part)
 
 
+def fraction_rows(count: int, seed: int = 0) -> list[dict]:
+    """Math with LaTeX answers, for math-verify: ``\\frac{a}{d}+\\frac{b}{d}=`` -> ``\\frac{a+b}{d}`` (any
+    equal value, e.g. the reduced fraction or a decimal, is also right)."""
+    problems = [(a, b, d) for d in range(2, 10) for a in range(1, 10) for b in range(1, 10)]
+    return [
+        {"prompt": f"\\frac{{{a}}}{{{d}}}+\\frac{{{b}}}{{{d}}}=", "answer": f"\\frac{{{a + b}}}{{{d}}}"}
+        for a, b, d in _sample(problems, count, seed)
+    ]
+
+
+# Countdown equations the generator builds targets from: every number used once, a reference answer.
+_COUNTDOWN_FORMS = {
+    "{0}+{1}+{2}": lambda a, b, c: a + b + c,
+    "{0}*{1}+{2}": lambda a, b, c: a * b + c,
+    "{0}*{1}-{2}": lambda a, b, c: a * b - c,
+    "{0}+{1}-{2}": lambda a, b, c: a + b - c,
+    "({0}+{1})*{2}": lambda a, b, c: (a + b) * c,
+}
+
+
+def countdown_rows(count: int, seed: int = 0) -> list[dict]:
+    """Countdown with three numbers: ``3,5,7=22`` asks for an equation using each of 3, 5 and 7 once
+    that makes 22 (reference ``answer``: one such equation)."""
+    problems = [
+        (form, (a, b, c))
+        for form in _COUNTDOWN_FORMS
+        for a in range(1, 10)
+        for b in range(1, 10)
+        for c in range(1, 10)
+        if a <= b  # + and * commute: (a, b) and (b, a) give the same problem
+    ]
+    rows, seen = [], set()
+    for form, numbers in _sample(problems, len(problems), seed):
+        equation, target = form.format(*numbers), _COUNTDOWN_FORMS[form](*numbers)
+        shown = sorted(numbers)
+        key = (tuple(shown), target)
+        if target <= 0 or key in seen:
+            continue
+        seen.add(key)
+        prompt = ",".join(map(str, shown)) + f"={target}"
+        rows.append({"prompt": prompt, "numbers": shown, "target": target, "answer": equation})
+        if len(rows) == count:
+            return rows
+    raise ValueError(f"only {len(rows)} distinct countdown problems exist; asked for {count}")
+
+
+def linear_code_rows(count: int, seed: int = 0) -> list[dict]:
+    """Code: from ``f(0)=1,f(1)=4`` write the body of ``f=lambda x:`` (``3*x+1``); the tests call f on
+    0..3, so the pass fraction credits a right intercept with a wrong slope."""
+    problems = [(slope, intercept) for slope in range(1, 10) for intercept in range(0, 20)]
+    return [
+        {
+            "prompt": f"f(0)={b},f(1)={a + b}",
+            "answer": f"{a}*x+{b}",
+            "code_prefix": "f=lambda x:",
+            "tests": [{"call": f"f({x})", "expected": a * x + b} for x in range(4)],
+        }
+        for a, b in _sample(problems, count, seed)
+    ]
+
+
+def _sample(items: list, count: int, seed: int) -> list:
+    if count > len(items):
+        raise ValueError(f"only {len(items)} distinct problems exist; asked for {count}")
+    shuffled = list(items)
+    random.Random(seed).shuffle(shuffled)
+    return shuffled[:count]
+
+
+# Domain -> (row generator, training rows, held-out rows) of examples/data/multi_domain.
+MULTI_DOMAIN_SPLITS = {
+    "math": (fraction_rows, 548, 100),
+    "countdown": (countdown_rows, 1000, 100),
+    "code": (linear_code_rows, 140, 40),
+}
+
+
+def write_multi_domain_split(directory: str | Path, seed: int = 0) -> None:
+    """Write ``<domain>/train.jsonl`` and a disjoint ``<domain>/eval.jsonl`` for each domain of
+    ``MULTI_DOMAIN_SPLITS`` into ``directory``."""
+    for name, (generate, train, held_out) in MULTI_DOMAIN_SPLITS.items():
+        rows = generate(train + held_out, seed=seed)
+        _write_split(Path(directory) / name, rows[held_out:], rows[:held_out])
+
+
+def _write_split(directory: Path, train: list[dict], held_out: list[dict]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, part in (("eval.jsonl", held_out), ("train.jsonl", train)):
+        with open(directory / name, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in part)
+
+
 if __name__ == "__main__":
     import sys
 
-    write_addition_split(sys.argv[1] if len(sys.argv) > 1 else "examples/data/addition")
+    task = sys.argv[1] if len(sys.argv) > 1 else "addition"
+    if task == "multi_domain":
+        write_multi_domain_split(sys.argv[2] if len(sys.argv) > 2 else "examples/data/multi_domain")
+    else:
+        write_addition_split(sys.argv[2] if len(sys.argv) > 2 else "examples/data/addition")

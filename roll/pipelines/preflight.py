@@ -20,7 +20,7 @@ from typing import Any
 from roll.config.common import ModelConfig, RayConfig, cluster_to_join
 from roll.config.loader import ConfigError
 from roll.data.dataset import DatasetError
-from roll.data.prompts import PromptSet, load_datasets
+from roll.data.prompts import PromptSet, load_datasets, load_prompts
 from roll.utils.registry import Registry
 
 # How long the Ray cluster named by ray.address has to accept a connection.
@@ -50,16 +50,21 @@ DATA_NEEDS: Registry[Callable[[Any], DataNeeds]] = Registry("pipeline")
 
 
 @DATA_NEEDS.register("rlvr")
-def rlvr_data_needs(cfg: Any) -> DataNeeds:
+def rlvr_data_needs(cfg: Any, domain: Any = None) -> DataNeeds:
+    """What RLVR reads from the rows of ``domain`` (one of ``run_domains(cfg)``; None: a
+    single-dataset run's)."""
+    from roll.config.rlvr import run_domains
     from roll.rewards import required_fields
+    from roll.rewards.spec import domain_specs
 
     warm_start = cfg.sft_warm_start
     batches = {"rollout.rollout_batch_size": cfg.rollout.rollout_batch_size}
     if warm_start is not None:
         batches["sft_warm_start.batch_size"] = warm_start.batch_size
+    train, held_out = domain_specs(domain or next(iter(run_domains(cfg).values())))
     return DataNeeds(
-        train_fields=required_fields(cfg.reward) + ((cfg.data.response_key,) if warm_start else ()),
-        eval_fields=required_fields(cfg.eval_reward or cfg.reward),
+        train_fields=required_fields(*train.names()) + ((cfg.data.response_key,) if warm_start else ()),
+        eval_fields=required_fields(*held_out.names()),
         sft_targets=warm_start is not None,
         batches=batches,
     )
@@ -87,6 +92,8 @@ def preflight(cfg: Any) -> RunInputs:
     if problems:
         raise ConfigError("cannot start the run:\n" + "\n".join(f"  - {p}" for p in problems))
     tokenizer = load_run_tokenizer(cfg.model)
+    if getattr(cfg, "domains", None):
+        return RunInputs(tokenizer, *load_domains(cfg, tokenizer))
     needs = DATA_NEEDS.get(cfg.pipeline)(cfg)
     train, held_out = load_datasets(
         cfg.data, tokenizer, needs.train_fields, needs.eval_fields, sft_targets=needs.sft_targets
@@ -98,6 +105,26 @@ def preflight(cfg: Any) -> RunInputs:
                 f"{key}={size}; lower {key} to at most {len(train)} or add rows"
             )
     return RunInputs(tokenizer, train, held_out)
+
+
+def load_domains(cfg: Any, tokenizer: Any) -> tuple[PromptSet, PromptSet | None]:
+    """Every domain's training and held-out rows, each set tagged with its domain, as one training set
+    and one held-out set (None when no domain has one)."""
+    train, held_out = {}, {}
+    for name, domain in cfg.domains.items():
+        needs = rlvr_data_needs(cfg, domain)
+        target = cfg.data.response_key if needs.sft_targets else None
+        train[name] = load_prompts(domain.train_path, tokenizer, cfg.data, needs.train_fields, target)
+        if domain.eval_path:
+            held_out[name] = load_prompts(domain.eval_path, tokenizer, cfg.data, needs.eval_fields)
+    mixed = PromptSet.concat(train)
+    for key, size in needs.batches.items():
+        if size > len(mixed):
+            raise DatasetError(
+                f"the domains have {len(mixed)} training rows in all, fewer than one batch of {key}={size}; "
+                f"lower {key} to at most {len(mixed)} or add rows"
+            )
+    return mixed, PromptSet.concat(held_out) if held_out else None
 
 
 def load_run_tokenizer(model: ModelConfig) -> Any:

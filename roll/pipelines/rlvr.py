@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,10 +18,11 @@ from roll.algorithms.functional import masked_mean
 from roll.algorithms.kl import adaptive_kl_coef
 from roll.config.devices import resolve_world_sizes
 from roll.config.loader import ConfigError
-from roll.config.rlvr import RLVRConfig
+from roll.config.rlvr import DEFAULT_DOMAIN, DomainConfig, RLVRConfig, run_domains
 from roll.config.sft import SFTConfig
 from roll.data.batch import Batch
 from roll.data.dataset import PromptIterator
+from roll.data.mixing import DomainMixer
 from roll.distributed.cluster import Cluster, WorkerError
 from roll.distributed.colocation import Colocation
 from roll.distributed.device_mapping import colocation_groups, is_colocated, validate_plan
@@ -51,11 +51,14 @@ from roll.pipelines.credit import (
     shaping_enabled,
     token_level_rewards,
 )
+from roll.pipelines.domains import mix_domain_evals, reward_metrics, score_held_out
 from roll.pipelines.preflight import RunInputs, preflight
 from roll.pipelines.recovery import REPLACEABLE_ROLES, RestartBudget, lost_workers
 from roll.pipelines.run_dir import RunDirectory
 from roll.pipelines.worker_specs import device_roles, plan_workers, updates_per_step
+from roll.rewards.spec import domain_specs
 from roll.rollout import BatchBackend, RayBackend, RolloutBackend, RolloutRouter, RolloutScheduler
+from roll.rollout.backend import RewardDispatch, domain_ranks
 from roll.tracking import Tracker
 from roll.utils import signals
 from roll.utils.signals import set_activity
@@ -63,7 +66,7 @@ from roll.workers.actor import ActorWorker
 from roll.workers.base import ModelSpec
 from roll.workers.critic import CriticWorker
 from roll.workers.reference import ReferenceWorker
-from roll.workers.reward import RewardWorker
+from roll.workers.reward import DomainRewards, RewardWorker
 from roll.workers.rollout import RolloutWorker
 
 
@@ -148,9 +151,7 @@ class RLVRPipeline:
     def _start_clusters(self, placements: Callable[[str], list[RankPlacement] | None]) -> None:
         cfg = self.config
         set_activity("starting the workers")
-        self.prompt_order = PromptIterator(
-            self.train_prompts.rows, cfg.rollout.rollout_batch_size, seed=cfg.seed
-        )
+        self.prompt_order = self._prompt_order()
         plan = self.plan = plan_workers(cfg, self.model_path)
         samples = plan.prompts_per_step * plan.samples_per_prompt
         algo = cfg.algorithm
@@ -187,6 +188,15 @@ class RLVRPipeline:
         self.scheduler = self._new_scheduler()
         if self.rollout is not None:
             self.weight_sync = self._connect_weight_sync()
+
+    def _prompt_order(self) -> PromptIterator | DomainMixer:
+        """The training prompts' order: with ``domains``, each batch holds every domain's share."""
+        cfg = self.config
+        if not cfg.domains:
+            return PromptIterator(self.train_prompts.rows, cfg.rollout.rollout_batch_size, seed=cfg.seed)
+        sizes = {name: len(part) for name, part in self.train_prompts.by_domain().items()}
+        ratios = {name: domain.ratio for name, domain in cfg.domains.items()}
+        return DomainMixer(sizes, ratios, cfg.rollout.rollout_batch_size, seed=cfg.seed)
 
     def _cluster(self, *args: object, **kwargs: object) -> Cluster:
         cfg = self.config
@@ -253,7 +263,21 @@ class RLVRPipeline:
         )
 
     def _new_reward(self) -> Cluster:
-        return self._cluster("reward", RewardWorker, self.config.reward_world_size, self.config.reward)
+        """One reward cluster; each domain has ``reward_world_size`` ranks of it (``domain_ranks``)."""
+        rewards = {name: DomainRewards(*domain_specs(domain)) for name, domain in self.domains.items()}
+        return self._cluster("reward", RewardWorker, sum(self.reward_ranks_per_domain.values()), rewards)
+
+    @property
+    def domains(self) -> dict[str, DomainConfig]:
+        return run_domains(self.config)
+
+    @property
+    def reward_ranks_per_domain(self) -> dict[str, int]:
+        return {name: domain.reward_world_size for name, domain in self.domains.items()}
+
+    def _reward_dispatch(self) -> RewardDispatch:
+        ranks = domain_ranks(self.reward_ranks_per_domain)
+        return RewardDispatch(self.reward, self.tokenizer.pad_token_id, ranks)
 
     def _close_scheduler(self, keeps_rollout: bool) -> None:
         """Close the scheduler. When its rollout workers stay for the next one, its calls still open on
@@ -268,10 +292,11 @@ class RLVRPipeline:
             self._draining.drain(DRAIN_S)
             self._draining = None
         pad_id = self.tokenizer.pad_token_id
+        ranks = domain_ranks(self.reward_ranks_per_domain)
         if self.rollout is None:
-            backend: RolloutBackend = BatchBackend(self.actor, self.reward, pad_id)
+            backend: RolloutBackend = BatchBackend(self.actor, self.reward, pad_id, ranks)
         else:
-            backend = RayBackend(RolloutRouter(self.rollout), self.reward, pad_id)
+            backend = RayBackend(RolloutRouter(self.rollout), self.reward, pad_id, ranks)
         plan = self.plan
         # After a recovery the rollout workers may still return requests of the scheduler before.
         prefix = f"s{self._schedulers_made}-" if self._schedulers_made else ""
@@ -585,6 +610,7 @@ class RLVRPipeline:
             metrics["reward/all_same_group_frac"] = _all_same_group_fraction(scores, group_size)
         if shaping_enabled(algo.reward_shaping):
             metrics["reward/shaped_mean"] = shaped.mean().item()
+        metrics.update(reward_metrics(scores, batch["domain"], batch["reward_info"], bool(cfg.domains)))
         return {
             "reward/mean": scores.mean().item(),
             "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
@@ -625,22 +651,29 @@ class RLVRPipeline:
         self.kl_coef = adaptive_kl_coef(self.kl_coef, observed, algo.kl_target, algo.kl_horizon, batch_size)
 
     def evaluate(self) -> dict[str, float]:
+        """Greedy answers to the held-out prompts, scored with each domain's evaluation reward. With
+        ``domains``: ``eval/<domain>/score`` for each domain with held-out rows (``eval.max_prompts``
+        applies per domain), and ``eval/score`` their mean weighted by the domains' ratios."""
         assert self.eval_prompts is not None
         self.colocation.use(self.generator_role)
-        return evaluate(
-            self.eval_prompts,
-            generate=lambda batch, params: self.generator.generate(
-                batch.select_keys(GENERATE_FIELDS), params
-            ),
-            score=lambda batch: self.reward.compute_rewards(
-                batch.select_keys(REWARD_FIELDS), self.config.eval_reward
-            )["scores"],
-            params=self.plan.eval_sampling,
-            batch_size=self.config.eval.batch_size,
-            pad_id=self.tokenizer.pad_token_id,
-            max_prompts=self.config.eval.max_prompts,
-            divisor=math.lcm(self.generator.world_size, self.config.reward_world_size),
-        )
+        rewards = self._reward_dispatch()
+        per_domain = {}
+        for name, prompts in self.eval_prompts.by_domain().items():
+            per_domain[name] = evaluate(
+                prompts,
+                generate=lambda batch, params: self.generator.generate(
+                    batch.select_keys(GENERATE_FIELDS), params
+                ),
+                score=lambda batch, name=name: score_held_out(rewards, batch, name),
+                params=self.plan.eval_sampling,
+                batch_size=self.config.eval.batch_size,
+                pad_id=self.tokenizer.pad_token_id,
+                max_prompts=self.config.eval.max_prompts,
+                divisor=self.generator.world_size,
+            )
+        if not self.config.domains:
+            return per_domain[DEFAULT_DOMAIN]
+        return mix_domain_evals(per_domain, {name: d.ratio for name, d in self.domains.items()})
 
     def _warn_on_collapse(self, tracker: Tracker, score: float, results: dict[str, float]) -> None:
         """A silent collapse (the eval score falling far below its best) is the classic sign of a too-high
@@ -687,7 +720,6 @@ T = TypeVar("T")
 # Each worker call carries only the fields its worker reads: pickling the whole batch (texts, dataset
 # rows, every tensor) to each rank costs time that grows with the batch and buys nothing.
 GENERATE_FIELDS = ("prompt_ids", "prompt_mask")
-REWARD_FIELDS = ("prompt_text", "response_text", "sample")
 
 
 def _tensors(batch: Batch) -> Batch:

@@ -50,7 +50,12 @@ REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function")
 
 
 def score_response(
-    name: str, prompt: str, response: str, sample: dict, response_ids: Sequence[int] | None = None
+    name: str,
+    prompt: str,
+    response: str,
+    sample: dict,
+    response_ids: Sequence[int] | None = None,
+    options: dict[str, Any] | None = None,
 ) -> RewardOutput:
     """Run the reward function registered as ``name`` and normalise its result.
 
@@ -71,7 +76,8 @@ def score_response(
         ValueError: ``token_rewards`` has not one entry per token of ``response_ids``.
     """
     fn = REWARD_FUNCTIONS.get(name)
-    result = fn(prompt, response, sample, **accepted_kwargs(fn, {"response_ids": response_ids}))
+    kwargs = accepted_kwargs(fn, {"response_ids": response_ids})
+    result = fn(prompt, response, sample, **kwargs, **(options or {}))
     if isinstance(result, RewardOutput):
         check_token_rewards(name, fn, result, response_ids)
         return result

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from roll.config.rlvr import DEFAULT_DOMAIN
 from roll.data.batch import Batch
 from roll.data.padding import left_pad, right_pad
 from roll.distributed.cluster import Cluster, ClusterFuture, wait_any
@@ -37,6 +38,7 @@ class ScoreJob:
     response_text: str
     sample: dict
     response_ids: list[int]
+    domain: str = DEFAULT_DOMAIN
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Scored:
     request_id: str
     score: float
     token_rewards: list[float] | None = None
+    info: dict[str, float] = field(default_factory=dict)  # the rewards' counters, e.g. timeouts
 
 
 @dataclass
@@ -92,43 +95,76 @@ def score_batch(jobs: Sequence[ScoreJob], pad_id: int) -> Batch:
             "prompt_text": [job.prompt_text for job in jobs],
             "response_text": [job.response_text for job in jobs],
             "sample": [job.sample for job in jobs],
+            "domain": [job.domain for job in jobs],
         },
     )
 
 
 def scored_from(jobs: Sequence[ScoreJob], out: Batch) -> list[Scored]:
     token_rewards = out["token_rewards"] if "token_rewards" in out else [None] * len(jobs)
+    infos = out["reward_info"] if "reward_info" in out else [{}] * len(jobs)
     return [
-        Scored(job.request_id, float(score), rewards)
-        for job, score, rewards in zip(jobs, out["scores"].tolist(), token_rewards)
+        Scored(job.request_id, float(score), rewards, info)
+        for job, score, rewards, info in zip(jobs, out["scores"].tolist(), token_rewards, infos)
     ]
 
 
-class RewardDispatch:
-    """Finished responses to the reward workers, in non-blocking calls: each set of jobs is spread over
-    the ranks with the fewest responses outstanding. ``calls`` are the calls in flight; ``take`` turns
-    one that is ready into scores."""
+def domain_ranks(world_sizes: dict[str, int]) -> dict[str, list[int]]:
+    """The reward cluster's ranks of each domain: ``world_sizes[d]`` consecutive ranks per domain, in
+    order, so that a slow domain (code in a sandbox) never holds up another's scoring."""
+    ranks, first = {}, 0
+    for name, size in world_sizes.items():
+        ranks[name] = list(range(first, first + size))
+        first += size
+    return ranks
 
-    def __init__(self, reward: Cluster, pad_id: int):
+
+class RewardDispatch:
+    """Finished responses to the reward workers, in non-blocking calls: each domain's jobs are spread
+    over that domain's ranks (``ranks``; None: every rank scores every domain), those with the fewest
+    responses outstanding first. ``calls`` are the calls in flight; ``take`` turns one that is ready
+    into scores."""
+
+    def __init__(self, reward: Cluster, pad_id: int, ranks: dict[str, list[int]] | None = None):
         self.reward, self.pad_id = reward, pad_id
+        self.ranks = ranks
         self.calls: dict[ClusterFuture, tuple[int, list[ScoreJob]]] = {}  # future -> (rank, jobs)
         self._load = [0] * reward.world_size
 
-    def send(self, jobs: Sequence[ScoreJob]) -> None:
-        shares = min(len(jobs), self.reward.world_size)
-        for part in range(shares):
-            chunk = list(jobs[part::shares])
-            rank = min(range(self.reward.world_size), key=self._load.__getitem__)
-            future = self.reward.call_rank(
-                rank, "compute_rewards", score_batch(chunk, self.pad_id), blocking=False
-            )
-            self.calls[future] = (rank, chunk)
-            self._load[rank] += len(chunk)
+    def ranks_of(self, domain: str) -> list[int]:
+        if self.ranks is None:
+            return list(range(self.reward.world_size))
+        if domain not in self.ranks:
+            raise KeyError(f"no reward workers for domain '{domain}' (domains: {', '.join(self.ranks)})")
+        return self.ranks[domain]
+
+    def send(self, jobs: Sequence[ScoreJob], **kwargs: object) -> list[ClusterFuture]:
+        """Start scoring ``jobs``; ``kwargs`` go to ``compute_rewards`` (e.g. ``evaluation=True``)."""
+        futures = []
+        for domain in dict.fromkeys(job.domain for job in jobs):
+            same = [job for job in jobs if job.domain == domain]
+            ranks = self.ranks_of(domain)
+            shares = min(len(same), len(ranks))
+            for part in range(shares):
+                chunk = same[part::shares]
+                rank = min(ranks, key=self._load.__getitem__)
+                future = self.reward.call_rank(
+                    rank, "compute_rewards", score_batch(chunk, self.pad_id), blocking=False, **kwargs
+                )
+                self.calls[future] = (rank, chunk)
+                self._load[rank] += len(chunk)
+                futures.append(future)
+        return futures
 
     def take(self, future: ClusterFuture) -> list[Scored]:
         rank, jobs = self.calls.pop(future)
         self._load[rank] -= len(jobs)
         return scored_from(jobs, future.get())
+
+    def score(self, jobs: Sequence[ScoreJob], **kwargs: object) -> list[Scored]:
+        """Score ``jobs`` and wait for them; results in the order of ``jobs``."""
+        by_id = {s.request_id: s for f in self.send(jobs, **kwargs) for s in self.take(f)}
+        return [by_id[job.request_id] for job in jobs]
 
 
 class RayBackend(RolloutBackend):
@@ -136,10 +172,12 @@ class RayBackend(RolloutBackend):
     calls of their own. Every call is non-blocking and ``poll`` waits on all of them at once, so a reward
     is computed while the rest of the batch still generates."""
 
-    def __init__(self, router: RolloutRouter, reward: Cluster, pad_id: int):
+    def __init__(
+        self, router: RolloutRouter, reward: Cluster, pad_id: int, ranks: dict[str, list[int]] | None = None
+    ):
         self.router = router
         self.num_workers = router.num_workers
-        self.rewards = RewardDispatch(reward, pad_id)
+        self.rewards = RewardDispatch(reward, pad_id, ranks)
 
     def submit(self, worker: int, requests: Sequence[GenerateRequest]) -> None:
         self.router.send(worker, requests)
@@ -172,8 +210,11 @@ class BatchBackend(RolloutBackend):
 
     num_workers = 1
 
-    def __init__(self, generator: Cluster, reward: Cluster, pad_id: int):
-        self.generator, self.reward, self.pad_id = generator, reward, pad_id
+    def __init__(
+        self, generator: Cluster, reward: Cluster, pad_id: int, ranks: dict[str, list[int]] | None = None
+    ):
+        self.generator, self.pad_id = generator, pad_id
+        self.rewards = RewardDispatch(reward, pad_id, ranks)
         self._requests: list[GenerateRequest] = []
         self._aborted: list[GenerateResult] = []
         self._jobs: list[ScoreJob] = []
@@ -201,8 +242,7 @@ class BatchBackend(RolloutBackend):
             events.generated += self._generate(same)
         jobs, self._jobs = self._jobs, []
         if jobs:
-            batch, _ = score_batch(jobs, self.pad_id).pad_to_divisor(self.reward.world_size)
-            events.scored += scored_from(jobs, self.reward.compute_rewards(batch))
+            events.scored += self.rewards.score(jobs)
         return events
 
     def _generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:

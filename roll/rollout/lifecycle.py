@@ -69,6 +69,7 @@ class Sample:
         response_text: the decoded response the reward scored.
         score: the reward's sequence score once done.
         token_rewards: the reward's per-token (process) rewards, when it gave them.
+        reward_info: the rewards' counters for this response (e.g. ``{"timeout": 1.0}``).
     """
 
     request_id: str
@@ -80,6 +81,7 @@ class Sample:
     response_text: str | None = None
     score: float | None = None
     token_rewards: list[float] | None = None
+    reward_info: dict[str, float] = field(default_factory=dict)
 
     def move(self, state: SampleState, now: float) -> None:
         """Enter ``state`` at time ``now``; raises IllegalTransition for a move the lifecycle forbids."""

@@ -349,6 +349,7 @@ class RolloutScheduler:
             sample.response_text,
             self.prompts.rows[group.prompt_index],
             list(result.token_ids),
+            self.prompts.domain_of(group.prompt_index),
         )
 
     def _on_scored(self, scored: Scored, now: float) -> None:
@@ -356,6 +357,7 @@ class RolloutScheduler:
         if sample is None or sample.state is not S.REWARDING:
             return
         sample.score, sample.token_rewards = scored.score, scored.token_rewards
+        sample.reward_info = scored.info
         sample.move(S.DONE, now)
         group = self._groups[sample.group_id]
         if all(s.state is S.DONE for s in group.samples):
@@ -530,5 +532,7 @@ def assemble_batch(groups: list[PromptGroup], prompts: PromptSet, pad_id: int, m
             "response_text": [s.response_text for s in samples],
             "finish_reason": [r.finish_reason for r in results],
             "token_rewards": [s.token_rewards for s in samples],
+            "domain": [prompts.domain_of(i) for i in prompt_index],
+            "reward_info": [s.reward_info for s in samples],
         },
     )

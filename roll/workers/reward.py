@@ -1,12 +1,23 @@
-"""Reward worker: scores responses with a registered reward function."""
+"""Reward worker: scores responses with each domain's reward (``roll.rewards.spec``)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from roll.data.batch import Batch
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.worker import Worker, register
+from roll.rewards.spec import RewardSpec
+
+
+@dataclass(frozen=True)
+class DomainRewards:
+    """How one domain's responses are scored in training and in evaluation."""
+
+    train: RewardSpec
+    eval: RewardSpec
 
 
 def response_token_ids(batch: Batch) -> list[list[int]] | list[None]:
@@ -19,34 +30,54 @@ def response_token_ids(batch: Batch) -> list[list[int]] | list[None]:
 
 
 class RewardWorker(Worker):
-    """``config`` is the reward function's registry name."""
+    """``config``: each domain's ``DomainRewards`` by domain name, or a single reward's registry name
+    (then every row is scored by it, in training and in evaluation)."""
 
     @register(Dispatch.DP_COMPUTE)
-    def compute_rewards(self, batch: Batch, function: str | None = None) -> Batch:
+    def compute_rewards(self, batch: Batch, function: str | None = None, evaluation: bool = False) -> Batch:
         """Score rows with ``prompt_text``, ``response_text`` and the dataset row ``sample`` (plus, when
         present, ``response_ids``/``response_mask`` [B, T], handed to rewards that declare
-        ``response_ids``), with the worker's reward function or, when given, the registered ``function``
-        (evaluation).
+        ``response_ids``, and ``domain``, the row's domain), with the domain's training reward, its
+        evaluation reward (``evaluation``) or, when given, the registered ``function``.
 
         Returns:
-            A Batch with ``scores`` [B] float32 and the non-tensor ``token_rewards``: per row the
-            reward's per-token rewards (a list of floats, one per response token) or None.
-        """
-        from roll.rewards import score_response
+            A Batch with ``scores`` [B] float32 and the non-tensors ``token_rewards`` (per row the
+            reward's per-token rewards, a list of floats, one per response token, or None) and
+            ``reward_info`` (per row the rewards' numeric counters, e.g. ``{"timeout": 1.0}``).
 
-        name = function or self.config
-        outputs = [
-            score_response(name, prompt, response, sample, response_ids=ids)
-            for prompt, response, sample, ids in zip(
-                batch["prompt_text"], batch["response_text"], batch["sample"], response_token_ids(batch)
-            )
-        ]
+        Raises:
+            KeyError: a row's domain is not one this worker scores.
+        """
+        from roll.rewards.spec import score_with
+
+        domains = self.domain_rewards()
+        names = batch["domain"] if "domain" in batch else [next(iter(domains))] * len(batch)
+        outputs = []
+        for prompt, response, sample, ids, name in zip(
+            batch["prompt_text"], batch["response_text"], batch["sample"], response_token_ids(batch), names
+        ):
+            if function is not None:
+                spec = RewardSpec.single(function)
+            elif name not in domains:
+                raise KeyError(f"no reward is configured for domain '{name}' (domains: {', '.join(domains)})")
+            else:
+                spec = domains[name].eval if evaluation else domains[name].train
+            outputs.append(score_with(spec, prompt, response, sample, response_ids=ids))
         return Batch(
             tensors={"scores": torch.tensor([out.score for out in outputs], dtype=torch.float32)},
             non_tensors={
                 "token_rewards": [
                     None if out.token_rewards is None else [float(r) for r in out.token_rewards]
                     for out in outputs
-                ]
+                ],
+                "reward_info": [dict(out.info) for out in outputs],
             },
         )
+
+    def domain_rewards(self) -> dict[str, DomainRewards]:
+        if isinstance(self.config, str):
+            from roll.config.rlvr import DEFAULT_DOMAIN
+
+            single = RewardSpec.single(self.config)
+            return {DEFAULT_DOMAIN: DomainRewards(single, single)}
+        return self.config
