@@ -52,7 +52,10 @@ def rejected(output_dir: Path, config: str, *overrides: str) -> str:
 
 
 BAD_SETTINGS = [
-    (["domains={m: {train_path: x.jsonl}}"], ["domains.m.train_path: 'x.jsonl' does not exist", "set exactly one"]),
+    (
+        ["domains={m: {train_path: x.jsonl}}"],
+        ["domains.m.train_path: 'x.jsonl' does not exist", "set exactly one"],
+    ),
     (
         ["tracking.backends=[console,wandb]"],
         ["tracking.backends", "'wandb'", "console, jsonl, tensorboard"],
