@@ -66,6 +66,7 @@ def score_response(
         sample: the dataset row.
         response_ids: the response's token ids (padding excluded), when known. Passed on only to a
             function that declares a ``response_ids`` parameter, so plain rewards keep their 3 arguments.
+        options: keyword arguments for the function (its configured options, e.g. a timeout).
 
     Returns:
         A ``RewardOutput``; a plain number ``x`` becomes ``RewardOutput(score=float(x))``.
@@ -75,9 +76,38 @@ def score_response(
         TypeError: the function returned something other than a number or a ``RewardOutput``.
         ValueError: ``token_rewards`` has not one entry per token of ``response_ids``.
     """
+    return score_responses(name, [prompt], [response], [sample], [response_ids], options)[0]
+
+
+def score_responses(
+    name: str,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    samples: Sequence[dict],
+    response_ids: Sequence[Sequence[int] | None] | None = None,
+    options: dict[str, Any] | None = None,
+) -> list[RewardOutput]:
+    """``score_response`` for many responses. A reward registered with ``batched=True`` takes the lists
+    in one call and returns one result per response (a judge model then generates for all at once);
+    any other is called response by response."""
     fn = REWARD_FUNCTIONS.get(name)
-    kwargs = accepted_kwargs(fn, {"response_ids": response_ids})
-    result = fn(prompt, response, sample, **kwargs, **(options or {}))
+    ids = list(response_ids) if response_ids is not None else [None] * len(prompts)
+    if REWARD_FUNCTIONS.traits(name).get("batched"):
+        results = fn(list(prompts), list(responses), list(samples), **(options or {}))
+        if not isinstance(results, Sequence) or len(results) != len(prompts):
+            raise TypeError(
+                f"batched reward function '{name}' ({_describe(fn)}) must return one result per response "
+                f"({len(prompts)}), got {type(results).__name__}"
+            )
+    else:
+        results = [
+            fn(prompt, response, sample, **accepted_kwargs(fn, {"response_ids": row_ids}), **(options or {}))
+            for prompt, response, sample, row_ids in zip(prompts, responses, samples, ids)
+        ]
+    return [_normalise(name, fn, result, row_ids) for result, row_ids in zip(results, ids)]
+
+
+def _normalise(name: str, fn: RewardFn, result: object, response_ids: Sequence[int] | None) -> RewardOutput:
     if isinstance(result, RewardOutput):
         check_token_rewards(name, fn, result, response_ids)
         return result

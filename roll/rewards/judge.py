@@ -116,25 +116,30 @@ class _Judge:
     def __init__(self, model_path: str):
         from roll.models.loading import load_causal_lm, load_tokenizer
 
-        self.tokenizer = load_tokenizer(model_path)
+        self.tokenizer = load_tokenizer(model_path)  # left padding: generation continues every row
         self.model = load_causal_lm(model_path).eval()
 
-    def reply(self, prompt: str, max_new_tokens: int) -> str:
+    def replies(self, prompts: list[str], max_new_tokens: int) -> list[str]:
+        """One greedy reply per prompt, generated as one batch."""
         import torch
 
         if self.tokenizer.chat_template:
-            prompt = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-            )
-        ids = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+            prompts = [
+                self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+                )
+                for p in prompts
+            ]
+        inputs = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
             out = self.model.generate(
-                **ids,
+                **inputs,
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=self.tokenizer.pad_token_id,
             )
-        return self.tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+        new_tokens = out[:, inputs["input_ids"].shape[1] :]
+        return self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
 
 
 @lru_cache(maxsize=2)
@@ -167,43 +172,46 @@ def _check_judge_options(
         raise ValueError(f"reward 'llm_judge': scale must be positive, got {scale!r}")
 
 
-@REWARD_FUNCTIONS.register("llm_judge", check_options=_check_judge_options)
+@REWARD_FUNCTIONS.register("llm_judge", batched=True, check_options=_check_judge_options)
 @needs_fields("answer")
 def llm_judge(
-    prompt: str,
-    response: str,
-    sample: dict,
+    prompts: list[str],
+    responses: list[str],
+    samples: list[dict],
     *,
     model_path: str = "",
     template: str = DEFAULT_JUDGE_TEMPLATE,
     max_new_tokens: int = 64,
     scale: float = 10.0,
-) -> RewardOutput:
-    """A judge model's verdict on the response against the row's reference ``answer``, in [0, 1].
+) -> list[RewardOutput]:
+    """A judge model's verdict on each response against its row's reference ``answer``, in [0, 1].
 
-    The judge (a causal LM from the local ``model_path``) is loaded once per reward worker and answers
-    ``template`` (placeholders ``{question}``: the row's prompt, ``{reference}``, ``{response}``)
-    greedily; ``parse_judge_score`` reads the last ``Score: x`` of its reply.
+    Batched (registered with ``batched=True``): the judge, a causal LM from the local ``model_path``
+    loaded once per reward worker, answers every response of the call in one greedy generation. Its
+    prompt is ``template`` with ``{question}`` (the row's ``prompt``, else the rendered prompt),
+    ``{reference}`` and ``{response}``; ``parse_judge_score`` reads the last ``Score: x`` of the reply.
 
     Args:
-        prompt: the policy's prompt (the question when the row has no ``prompt`` field).
-        response: generated text to grade.
-        sample: dataset row with an ``answer``.
+        prompts: the policy's prompts.
+        responses: generated texts to grade.
+        samples: dataset rows, each with an ``answer``.
         model_path: local directory of the judge model and its tokenizer (required).
         template: the judge's prompt (see ``DEFAULT_JUDGE_TEMPLATE``).
         max_new_tokens: longest judge reply.
         scale: the judge's top score (``Score: scale`` is a reward of 1).
 
     Returns:
-        ``RewardOutput`` with ``info["judge_unparsed"]``: 1 when the reply held no valid score, which
-        scores 0.
+        One ``RewardOutput`` per response, with ``info["judge_unparsed"]``: 1 when the reply held no
+        valid score, which scores 0.
     """
     _check_judge_options(model_path, template, max_new_tokens, scale)
-    question = str(sample.get("prompt", prompt))
-    reply = _judge(model_path).reply(
-        render_judge_prompt(template, question, str(sample["answer"]), response), max_new_tokens
-    )
-    score = parse_judge_score(reply, scale)
-    if score is None:
-        return RewardOutput(0.0, info={"judge_unparsed": 1.0})
-    return RewardOutput(score, info={"judge_unparsed": 0.0})
+    asks = [
+        render_judge_prompt(template, str(sample.get("prompt", prompt)), str(sample["answer"]), response)
+        for prompt, response, sample in zip(prompts, responses, samples)
+    ]
+    outputs = []
+    for reply in _judge(model_path).replies(asks, max_new_tokens):
+        score = parse_judge_score(reply, scale)
+        unparsed = score is None
+        outputs.append(RewardOutput(0.0 if unparsed else score, info={"judge_unparsed": float(unparsed)}))
+    return outputs

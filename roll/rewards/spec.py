@@ -13,11 +13,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from roll.rewards.base import REWARD_FUNCTIONS, RewardOutput, score_response
+from roll.rewards.base import REWARD_FUNCTIONS, RewardOutput, score_responses
 from roll.utils.registry import did_you_mean
 
 # The positional contract of every reward; options are the other parameters.
-_CONTRACT = ("prompt", "response", "sample", "response_ids")
+_CONTRACT = ("prompt", "response", "sample", "response_ids", "prompts", "responses", "samples")
 
 
 @dataclass(frozen=True)
@@ -46,20 +46,37 @@ class RewardSpec:
 def score_with(
     spec: RewardSpec, prompt: str, response: str, sample: dict, response_ids: Sequence[int] | None = None
 ) -> RewardOutput:
-    """Score one response with ``spec``. ``info`` merges the rewards' counters (summed when two report
-    the same key) and, with more than one reward, adds each one's score as ``<name>``.
+    """Score one response with ``spec`` (see ``score_all``)."""
+    return score_all(spec, [prompt], [response], [sample], [response_ids])[0]
 
-    Per-token rewards (process rewards) pass through only from a spec of one reward with weight 1 and
-    no multiplier: a weighted mix of token and sequence rewards has no single right token layout.
+
+def score_all(
+    spec: RewardSpec,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    samples: Sequence[dict],
+    response_ids: Sequence[Sequence[int] | None] | None = None,
+) -> list[RewardOutput]:
+    """Score responses with ``spec``, each reward over all of them at once (``score_responses``).
+
+    ``info`` merges the rewards' counters (summed when two report the same key) and, with more than one
+    reward, adds each one's score as ``<name>``. Per-token rewards (process rewards) pass through only
+    from a spec of one reward with weight 1 and no multiplier: a weighted mix of token and sequence
+    rewards has no single right token layout.
 
     Raises:
         ValueError: a reward returned ``token_rewards`` inside a combined spec.
     """
     names = spec.names()
-    outputs = {
-        name: score_response(name, prompt, response, sample, response_ids, spec.options.get(name))
+    by_name = {
+        name: score_responses(name, prompts, responses, samples, response_ids, spec.options.get(name))
         for name in names
     }
+    return [_combine(spec, {name: by_name[name][row] for name in names}) for row in range(len(prompts))]
+
+
+def _combine(spec: RewardSpec, outputs: dict[str, RewardOutput]) -> RewardOutput:
+    names = list(outputs)
     info: dict[str, float] = {}
     for name, out in outputs.items():
         for key, value in out.info.items():

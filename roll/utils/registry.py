@@ -40,7 +40,7 @@ class Registry(Generic[T]):
     def traits(self, name: str) -> dict[str, Any]:
         """The keyword arguments ``name`` was registered with (empty when none)."""
         self.get(name)  # the same unknown-name error as get()
-        return dict(self._traits[name])
+        return dict(self._traits.get(name, {}))
 
     def get(self, name: str) -> T:
         if name not in self._entries:

@@ -48,21 +48,33 @@ class RewardWorker(Worker):
         Raises:
             KeyError: a row's domain is not one this worker scores.
         """
-        from roll.rewards.spec import score_with
+        from roll.rewards.spec import score_all
 
         domains = self.domain_rewards()
         names = batch["domain"] if "domain" in batch else [next(iter(domains))] * len(batch)
-        outputs = []
-        for prompt, response, sample, ids, name in zip(
-            batch["prompt_text"], batch["response_text"], batch["sample"], response_token_ids(batch), names
-        ):
+        unknown = [name for name in names if name not in domains and function is None]
+        if unknown:
+            raise KeyError(
+                f"no reward is configured for domain '{unknown[0]}' (domains: {', '.join(domains)})"
+            )
+        ids = response_token_ids(batch)
+        outputs: list = [None] * len(batch)
+        # Rows of one domain are scored together: a batched reward (a judge model) sees them at once.
+        for name in dict.fromkeys(names):
+            rows = [i for i, n in enumerate(names) if n == name]
             if function is not None:
                 spec = RewardSpec.single(function)
-            elif name not in domains:
-                raise KeyError(f"no reward is configured for domain '{name}' (domains: {', '.join(domains)})")
             else:
                 spec = domains[name].eval if evaluation else domains[name].train
-            outputs.append(score_with(spec, prompt, response, sample, response_ids=ids))
+            scored = score_all(
+                spec,
+                [batch["prompt_text"][i] for i in rows],
+                [batch["response_text"][i] for i in rows],
+                [batch["sample"][i] for i in rows],
+                [ids[i] for i in rows],
+            )
+            for i, out in zip(rows, scored):
+                outputs[i] = out
         return Batch(
             tensors={"scores": torch.tensor([out.score for out in outputs], dtype=torch.float32)},
             non_tensors={
