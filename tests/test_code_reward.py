@@ -124,7 +124,12 @@ def test_bad_options_and_missing_field():
 def test_function_calls_right_wrong_and_malformed_answers():
     assert reward("2*x+14", LINEAR).score == 1.0  # the row's code_prefix makes it f=lambda x:2*x+14
     out = reward("2*x+15", LINEAR)
-    assert out.score == 0.0 and out.info == {"passed_frac": 0.0, "timeout": 0.0, "sandbox_error": 0.0, "left_processes": 0.0}
+    assert out.score == 0.0 and out.info == {
+        "passed_frac": 0.0,
+        "timeout": 0.0,
+        "sandbox_error": 0.0,
+        "left_processes": 0.0,
+    }
     assert reward("2*x+", LINEAR).score == 0.0  # does not compile
     assert reward(GOOD_SQUARE, SQUARE).score == 1.0
     assert reward(fenced("def square(x):\n    return x ** 3\n"), SQUARE).score == 0.25  # right for 1 only

@@ -260,6 +260,28 @@ def set_limits(limits):
         resource.setrlimit(getattr(resource, name), (soft, hard))
 
 
+# How the program starts: ``python -I -S`` (no ``site``: its .pth processing costs a fresh interpreter
+# more than everything else does) with the site-packages directories put on sys.path by hand, then the
+# program's file run as ``__main__``. A syntax error is reported the way ``python main.py`` reports it,
+# without a traceback header (the code reward reads that as "does not compile").
+PROGRAM_BOOT = """\
+import sys
+sys.path.extend({site_dirs!r})
+sys.argv = [{main!r}]
+with open({main!r}, encoding="utf-8") as _f:
+    _source = _f.read()
+try:
+    _code = compile(_source, {main!r}, "exec")
+except SyntaxError as _e:
+    import traceback
+    sys.stderr.write("".join(traceback.format_exception_only(type(_e), _e)))
+    raise SystemExit(1) from None
+__file__ = {main!r}
+del _f, _source
+exec(_code)
+"""
+
+
 def start_program(spec, status_fd):
     """In the forked child: drop privileges, apply limits, write the files, become the program."""
     try:
@@ -291,7 +313,8 @@ def start_program(spec, status_fd):
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
         python = spec["python"]
-        os.execve(python, [python, "-I", spec["main"]], spec["env"])
+        boot = PROGRAM_BOOT.format(site_dirs=spec["site_dirs"], main=spec["main"])
+        os.execve(python, [python, "-I", "-S", "-c", boot], spec["env"])
     except BaseException as exc:  # noqa: BLE001  (any failure here is a set-up failure)
         report(status_fd, "E", f"could not start the program: {type(exc).__name__}: {exc}")
     os._exit(127)

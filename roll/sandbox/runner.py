@@ -259,6 +259,14 @@ def _probe(mode: str) -> tuple[bool, str]:
 
 
 @lru_cache(maxsize=1)
+@lru_cache(maxsize=1)
+def _site_dirs() -> tuple[str, ...]:
+    """The interpreter's site-packages, which the program's ``python -S`` would not add itself."""
+    import site
+
+    return tuple(p for p in site.getsitepackages() if os.path.isdir(p))
+
+
 def _interpreter_paths() -> tuple[str, ...]:
     """Directories the sandboxed interpreter needs (prefixes, the executable's directory), outermost
     only; re-exposed read-only when they lie under a hidden directory."""
@@ -376,6 +384,7 @@ def _run(files: dict[str, str], stdin: str, limits: SandboxLimits, mode: str) ->
         "new_session": namespaced,
         "rlimits": _rlimits(limits),
         "python": sys.executable,
+        "site_dirs": list(_site_dirs()),
         "main": MAIN_FILE,
         "env": env,
         "files": files,
