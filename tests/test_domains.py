@@ -328,3 +328,14 @@ def test_option_values_a_reward_rejects_are_caught_at_load() -> None:
         check_spec("domains.fmt", RewardSpec({"regex_match": 1.0}, options={"regex_match": {"pattern": "x"}}))
         == []
     )
+
+
+def test_the_example_config_loads_and_documents_its_domains(repo_root: Path, monkeypatch) -> None:
+    from roll.config import load_config, to_yaml
+
+    monkeypatch.chdir(repo_root)
+    cfg = load_config("examples/rlvr_multi_domain.yaml")
+    assert list(cfg.domains) == ["math", "countdown", "code"]
+    assert [d.ratio for d in cfg.domains.values()] == [1.0, 1.0, 0.5]
+    text = to_yaml(cfg, with_docs=True)
+    assert "train_path: examples/data/multi_domain/code/train.jsonl  # JSONL file of this domain's" in text

@@ -1,4 +1,10 @@
-"""End to end through the CLI: a shortened quickstart (SFT, then GRPO) must raise the eval score."""
+"""End to end through the CLI: a shortened quickstart (SFT, then GRPO) runs every stage, logs every
+metric and saves its artifacts.
+
+That the quickstart learns is checked on the full run: `.ci/run` runs `roll train
+examples/quickstart.yaml` as the README says and requires +0.3 held-out. GRPO raising held-out scores
+through `roll train` inside the suite is test_multi_domain_e2e's job (two domains must rise); a
+1000-step quickstart here repeated it at 115 s of the suite's 15 minutes."""
 
 from __future__ import annotations
 
@@ -10,12 +16,12 @@ import pytest
 
 
 @pytest.mark.slow
-def test_shortened_quickstart_learns(repo_root, tmp_path):
+def test_shortened_quickstart_runs_every_stage(repo_root, tmp_path):
     output_dir = tmp_path / "run"
     overrides = [
         f"output_dir={output_dir}",
-        "steps=1000",
-        "eval.every_steps=500",
+        "steps=60",
+        "eval.every_steps=30",
         "tracking.backends=[jsonl]",
     ]
     result = subprocess.run(
@@ -29,9 +35,9 @@ def test_shortened_quickstart_learns(repo_root, tmp_path):
 
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [(row["step"], row["eval/score"]) for row in rows if "eval/score" in row]
-    assert [step for step, _ in evals] == [0, 500, 1000], evals
-    before, after = evals[0][1], evals[-1][1]
-    assert after >= before + 0.1, f"eval/score did not rise enough: {evals}"
+    assert [step for step, _ in evals] == [0, 30, 60], evals
+    # The warm start learned (a random model scores 0) and RL did not wreck it.
+    assert evals[0][1] >= 0.1 and evals[-1][1] >= evals[0][1] - 0.1, evals
     # Every stage is timed and the run's artifacts exist.
     train_rows = [row for row in rows if "time/step_s" in row]
     for key in (

@@ -160,8 +160,8 @@ def warm_start_model(repo_root, tmp_path_factory, ray_address) -> Path:
 
 
 @pytest.mark.slow
-# One learning run per family beyond the quickstart's: the quickstart itself (GRPO) is the GRPO
-# family's (test_quickstart_e2e); an RLOO run here repeated it at 90 s of the suite's 15 minutes.
+# One learning run per family beyond GRPO's, which test_multi_domain_e2e (and the full quickstart in
+# .ci/run) cover; an RLOO run here repeated it at 90 s of the suite's 15 minutes.
 @pytest.mark.parametrize(("recipe", "steps"), [("ppo", 1000)])
 def test_recipe_raises_the_held_out_score(recipe, steps, warm_start_model, repo_root, tmp_path, ray_address):
     """PPO (critic + GAE) learns from the quickstart's warm start (measured in docs/algorithms.md: about

@@ -87,7 +87,7 @@ def to_yaml(config: Any, with_docs: bool = False) -> str:
             continue
         del stack[indent:]
         stack.append(key)
-        doc = docs.get(".".join(stack), "")
+        doc = _lookup(docs, ".".join(stack), "")
         lines.append(f"{line}  # {doc}" if doc else line)
     return "\n".join(lines) + "\n"
 
@@ -151,11 +151,15 @@ def _unknown_key_hint(e: OmegaConfBaseException, schema: type) -> str:
 
 
 def _doc(schema: type, key: str) -> str:
-    docs = field_docs(schema)
-    # A key inside a named section (domains.math.train_path) is documented as domains.<name>.train_path.
+    return _lookup(field_docs(schema), key, "no default")
+
+
+def _lookup(docs: dict[str, str], key: str, default: str) -> str:
+    """The doc of ``key``; a key inside a named section (domains.math.train_path) is documented as
+    domains.<name>.train_path."""
     parts = key.split(".")
     generic = ".".join([parts[0], "<name>", *parts[2:]]) if len(parts) > 2 else key
-    return docs.get(key, docs.get(generic, "no default"))
+    return docs.get(key, docs.get(generic, default))
 
 
 def _register_validators() -> None:

@@ -5,7 +5,8 @@
     result = run_python("print(int(input()) * 2)", stdin="21\\n", limits=SandboxLimits(timeout_s=2))
     assert result.ok and result.stdout == "42\\n"
 
-Every run is a fresh ``python -I main.py`` started by a small trusted launcher (``_launcher.py``) with
+Every run is a fresh interpreter (``python -I -S`` with site-packages on ``sys.path``, running
+``main.py`` as ``__main__``) started by a small trusted launcher (``_launcher.py``) with
 these limits (``SandboxLimits``): wall-clock timeout (the whole process tree is killed), CPU seconds,
 address space, processes, file size, open files, and stdout/stderr each capped (read in chunks; the
 program is killed once past the cap). Its environment holds only ``PATH``, ``HOME`` (its work directory)
