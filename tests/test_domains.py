@@ -265,6 +265,9 @@ def test_domain_config_problems_are_caught_at_load(tmp_path: Path) -> None:
     assert "reward 'exact_match' has no option 'timeout'" in domain_problems(typo)[0]
     missing = multi_domain_config(tmp_path, eval_path=str(tmp_path / "nope.jsonl"))
     assert "domains.math.eval_path" in domain_problems(missing)[0]
+    slash = multi_domain_config(tmp_path)
+    slash.domains["a/b"] = slash.domains.pop("chars")
+    assert "'a/b' cannot name a domain" in domain_problems(slash)[0]
     evals = multi_domain_config(tmp_path)
     evals.eval.every_steps = 5
     assert "needs an eval_path in at least one domain" in domain_problems(evals)[0]

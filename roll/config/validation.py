@@ -6,6 +6,7 @@ losses, rewards) are checked too; that imports the pure algorithm modules, which
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from roll.config.common import EvalConfig, ModelConfig, TrackingConfig
@@ -128,6 +129,11 @@ def check_domains(cfg: RLVRConfig) -> list[str]:
         if getattr(cfg.data, key) is not None
     ]
     for name, domain in cfg.domains.items():
+        if not _DOMAIN_NAME.fullmatch(name):
+            problems.append(
+                f"domains: '{name}' cannot name a domain (it is part of metric names such as "
+                "reward/<domain>/mean): use letters, digits, '_' and '-'"
+            )
         problems += check_domain(f"domains.{name}", domain)
         if not problems:
             train, held_out = domain_specs(domain)
@@ -139,6 +145,9 @@ def check_domains(cfg: RLVRConfig) -> list[str]:
             "eval.every_steps > 0 needs an eval_path in at least one domain (or set eval.every_steps=0)"
         )
     return problems
+
+
+_DOMAIN_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def check_domain(key: str, domain: DomainConfig) -> list[str]:

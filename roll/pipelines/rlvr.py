@@ -265,19 +265,17 @@ class RLVRPipeline:
     def _new_reward(self) -> Cluster:
         """One reward cluster; each domain has ``reward_world_size`` ranks of it (``domain_ranks``)."""
         rewards = {name: DomainRewards(*domain_specs(domain)) for name, domain in self.domains.items()}
-        return self._cluster("reward", RewardWorker, sum(self.reward_ranks_per_domain.values()), rewards)
+        world_size = sum(len(ranks) for ranks in self.reward_ranks.values())
+        return self._cluster("reward", RewardWorker, world_size, rewards)
 
     @property
     def domains(self) -> dict[str, DomainConfig]:
         return run_domains(self.config)
 
     @property
-    def reward_ranks_per_domain(self) -> dict[str, int]:
-        return {name: domain.reward_world_size for name, domain in self.domains.items()}
-
-    def _reward_dispatch(self) -> RewardDispatch:
-        ranks = domain_ranks(self.reward_ranks_per_domain)
-        return RewardDispatch(self.reward, self.tokenizer.pad_token_id, ranks)
+    def reward_ranks(self) -> dict[str, list[int]]:
+        """Each domain's ranks of the reward cluster."""
+        return domain_ranks({name: domain.reward_world_size for name, domain in self.domains.items()})
 
     def _close_scheduler(self, keeps_rollout: bool) -> None:
         """Close the scheduler. When its rollout workers stay for the next one, its calls still open on
@@ -292,7 +290,7 @@ class RLVRPipeline:
             self._draining.drain(DRAIN_S)
             self._draining = None
         pad_id = self.tokenizer.pad_token_id
-        ranks = domain_ranks(self.reward_ranks_per_domain)
+        ranks = self.reward_ranks
         if self.rollout is None:
             backend: RolloutBackend = BatchBackend(self.actor, self.reward, pad_id, ranks)
         else:
@@ -656,7 +654,7 @@ class RLVRPipeline:
         applies per domain), and ``eval/score`` their mean weighted by the domains' ratios."""
         assert self.eval_prompts is not None
         self.colocation.use(self.generator_role)
-        rewards = self._reward_dispatch()
+        rewards = RewardDispatch(self.reward, self.tokenizer.pad_token_id, self.reward_ranks)
         per_domain = {}
         for name, prompts in self.eval_prompts.by_domain().items():
             per_domain[name] = evaluate(

@@ -205,8 +205,8 @@ class RayBackend(RolloutBackend):
 class BatchBackend(RolloutBackend):
     """For a ``generator`` cluster with batch ``generate`` only (the actor as hybrid engine): ``poll``
     generates every request sent since the last poll in one call (one call per distinct sampling
-    params), then scores pending responses in one reward call. Results carry no weight versions: they
-    come from the generator's current weights."""
+    params), then scores pending responses and waits for them (one call per domain's rank). Results
+    carry no weight versions: they come from the generator's current weights."""
 
     num_workers = 1
 

@@ -25,6 +25,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+# The launcher is standard-library code that also runs, compiled from its file, inside the sandbox;
+# importing it here has no side effects.
+from roll.sandbox._launcher import children_of
+
 logger = logging.getLogger(__name__)
 
 ISOLATIONS = ("auto", "bwrap", "unshare", "none")
@@ -609,7 +613,7 @@ def _kill(proc: subprocess.Popen, namespaced: bool) -> None:
     """Kill the run. Namespaced: SIGKILL the namespace's first process (the wrapper's child), which
     takes every process of the pid namespace with it before the wrapper can exit, so waiting for the
     wrapper waits for them all. Otherwise (or before that process exists): the process group."""
-    victims = _children_of(proc.pid) if namespaced else []
+    victims = children_of(proc.pid) if namespaced else []
     for pid in victims:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -624,22 +628,6 @@ def _killpg(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _children_of(pid: int) -> list[int]:
-    """Pids whose parent is ``pid``: a scan of /proc (not every kernel has /proc/PID/task/TID/children)."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        if int(raw[raw.rindex(b")") + 2 :].split()[1]) == pid:
-            found.append(int(name))
-    return found
 
 
 def _read_all(fd: int) -> str:
