@@ -3,11 +3,8 @@ sandbox), shortened, raises the held-out score of at least two domains and logs 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
+from test_pipelines_cli import metrics, roll_train
 
 DOMAINS = ("math", "countdown", "code")
 
@@ -16,15 +13,8 @@ DOMAINS = ("math", "countdown", "code")
 def test_the_multi_domain_example_raises_two_domains(repo_root, tmp_path):
     output_dir = tmp_path / "run"
     overrides = [f"output_dir={output_dir}", "steps=80", "eval.every_steps=40", "tracking.backends=[jsonl]"]
-    result = subprocess.run(
-        [sys.executable, "-m", "roll.cli", "train", "examples/rlvr_multi_domain.yaml", *overrides],
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    roll_train(repo_root, "examples/rlvr_multi_domain.yaml", *overrides)
+    rows = metrics(output_dir)
     evals = [row for row in rows if "eval/math/score" in row]
     assert [row["step"] for row in evals] == [0, 40, 80]
     gains = {d: evals[-1][f"eval/{d}/score"] - evals[0][f"eval/{d}/score"] for d in DOMAINS}

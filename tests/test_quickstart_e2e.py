@@ -8,11 +8,8 @@ through `roll train` inside the suite is test_multi_domain_e2e's job (two domain
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
+from test_pipelines_cli import metrics, roll_train
 
 
 @pytest.mark.slow
@@ -24,16 +21,9 @@ def test_shortened_quickstart_runs_every_stage(repo_root, tmp_path):
         "eval.every_steps=30",
         "tracking.backends=[jsonl]",
     ]
-    result = subprocess.run(
-        [sys.executable, "-m", "roll.cli", "train", "examples/quickstart.yaml", *overrides],
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = roll_train(repo_root, "examples/quickstart.yaml", *overrides)
 
-    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(output_dir)
     evals = [(row["step"], row["eval/score"]) for row in rows if "eval/score" in row]
     assert [step for step, _ in evals] == [0, 30, 60], evals
     # The warm start learned (a random model scores 0) and RL did not wreck it.
