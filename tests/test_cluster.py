@@ -226,6 +226,9 @@ def test_wait_any_returns_the_ready_futures_in_order_and_nothing_on_timeout(make
     start = time.monotonic()
     assert wait_any([everyone, slow], timeout_s=0.3) == []
     assert time.monotonic() - start < 1.0
+    # Rank 0 answers `everyone` only after its sleep, so once `everyone` is ready both are (waiting on
+    # both at once may return in the instant between the sleep's end and `whoami`'s).
+    assert wait_any([everyone], timeout_s=10) == [everyone]
     assert wait_any([everyone, slow], timeout_s=10) == [everyone, slow]  # both ready, in the given order
     assert [answer["rank"] for answer in everyone.get()] == [0, 1]
     assert wait_any([], timeout_s=10) == []
