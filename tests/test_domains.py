@@ -263,6 +263,8 @@ def test_domain_config_problems_are_caught_at_load(tmp_path: Path) -> None:
     assert any(p.startswith("data.train_path is set, but with `domains`") for p in problems), problems
     typo = multi_domain_config(tmp_path, reward_options={"exact_match": {"timeout": 1}})
     assert "reward 'exact_match' has no option 'timeout'" in domain_problems(typo)[0]
+    typo.reward = "char_match"  # another problem, reported beside the option typo, not instead of it
+    assert len(domain_problems(typo)) == 2 and "has no option 'timeout'" in domain_problems(typo)[1]
     missing = multi_domain_config(tmp_path, eval_path=str(tmp_path / "nope.jsonl"))
     assert "domains.math.eval_path" in domain_problems(missing)[0]
     slash = multi_domain_config(tmp_path)

@@ -135,7 +135,9 @@ def check_domains(cfg: RLVRConfig) -> list[str]:
                 "reward/<domain>/mean): use letters, digits, '_' and '-'"
             )
         problems += check_domain(f"domains.{name}", domain)
-        if not problems:
+        # The specs exist once exactly one of reward / rewards is set (check_domain reports otherwise);
+        # other problems, here or in other domains, must not hide this domain's reward errors.
+        if (domain.reward is None) != (not domain.rewards):
             train, held_out = domain_specs(domain)
             problems += check_spec(f"domains.{name}", train)
             if held_out is not train:

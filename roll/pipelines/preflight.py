@@ -118,7 +118,7 @@ def load_domains(cfg: Any, tokenizer: Any) -> tuple[PromptSet, PromptSet | None]
         if domain.eval_path:
             held_out[name] = load_prompts(domain.eval_path, tokenizer, cfg.data, needs.eval_fields)
     mixed = PromptSet.concat(train)
-    for key, size in needs.batches.items():
+    for key, size in rlvr_data_needs(cfg).batches.items():
         if size > len(mixed):
             raise DatasetError(
                 f"the domains have {len(mixed)} training rows in all, fewer than one batch of {key}={size}; "
