@@ -7,6 +7,7 @@ import math
 import textwrap
 
 import pytest
+from sandbox_required import skip_without_sandbox
 
 from roll.rewards import REWARD_FUNCTIONS, RewardOutput, score_response
 from roll.rewards import code as code_reward
@@ -29,7 +30,7 @@ def sandbox() -> None:
     try:
         resolve_isolation("auto")
     except SandboxUnavailable as e:
-        pytest.skip(f"no sandbox isolation here: {e}")
+        skip_without_sandbox(f"no sandbox isolation here: {e}")
 
 
 in_sandbox = pytest.mark.usefixtures("sandbox")

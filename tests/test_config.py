@@ -579,7 +579,6 @@ def test_imports_of_a_missing_module_are_a_config_error() -> None:
 UNBOUNDED = {
     "seed",  # any integer seeds an RNG
     "model.tiny.seed",
-    "rollout.num_devices_per_worker",  # checked with the device mapping it divides
     "algorithm.clip_ratio_low",  # in (0, 1): an open interval, checked in check_algorithm
     "algorithm.clip_ratio_c",  # > 1, but only when policy_loss is dual_clip
     "domains.rewards",  # reward weights: a negative one is a penalty
@@ -642,6 +641,23 @@ def test_an_unset_optional_value_is_not_checked_against_its_bounds() -> None:
 def test_hybrid_engine_rejects_options_of_rollout_workers(override: str, key: str) -> None:
     message = load_error(["rollout.hybrid_engine=true", override, "ray.num_gpus=1"])
     assert f"{key}:" in message and "rollout.hybrid_engine=false" in message
+
+
+def test_hybrid_engine_rejects_another_inference_engine() -> None:
+    message = load_error(["rollout.hybrid_engine=true", "rollout.engine=vllm"])
+    assert "rollout.engine=vllm: the hybrid engine generates with the actor's own model" in message
+
+
+def test_an_unknown_inference_engine_is_named() -> None:
+    message = load_error(["rollout.engine=hff"])
+    assert "rollout.engine: unknown inference engine 'hff'. Did you mean 'hf'?" in message
+
+
+def test_stop_token_ids_are_token_ids() -> None:
+    assert load_config(QUICKSTART, ["rollout.stop_token_ids=[3,4]"]).rollout.stop_token_ids == [3, 4]
+    assert "rollout.stop_token_ids: each entry must be >= 0 (got [-1])" in load_error(
+        ["rollout.stop_token_ids=[3,-1]"]
+    )
 
 
 def test_hybrid_engine_loads_with_the_actors_world_size() -> None:
@@ -725,6 +741,24 @@ def test_dynamic_sampling_and_async_settings_that_work_load() -> None:
     cfg = load_config(QUICKSTART, ["rollout.async_generation_ratio=1", *disjoint])
     assert cfg.rollout.async_generation_ratio == 1
     assert load_config(QUICKSTART, ["rollout.async_generation_ratio=1"]).rollout.device_mapping is None
+
+
+def test_the_off_policy_correction_is_announced_and_so_is_its_absence() -> None:
+    from roll.config.rlvr import off_policy_note
+
+    assert off_policy_note(load_config(QUICKSTART, [])) is None  # synchronous: nothing to say
+    on = off_policy_note(load_config(QUICKSTART, ["rollout.async_generation_ratio=1"]))
+    assert on is not None and on.startswith("off-policy correction (rollout.async_generation_ratio=1)")
+    assert "min(pi_trainer / pi_engine, 2)" in on
+    capped = off_policy_note(
+        load_config(QUICKSTART, ["algorithm.off_policy_correction=tis", "algorithm.tis_cap=5"])
+    )
+    assert capped is not None and "(algorithm.off_policy_correction=tis)" in capped and ", 5)" in capped
+    off = ["rollout.async_generation_ratio=2", "algorithm.off_policy_correction=none"]
+    assert off_policy_note(load_config(QUICKSTART, off)) == (
+        "WARNING: off-policy correction is off (algorithm.off_policy_correction=none): samples up to 2 "
+        "weights version(s) old are trained on as if on-policy"
+    )
 
 
 def test_a_user_registered_group_filter_passes_validation(monkeypatch) -> None:

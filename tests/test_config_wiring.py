@@ -1,6 +1,8 @@
-"""Every ``actor``, ``critic`` and ``rollout`` option reaches what the workers receive (no Ray).
+"""Every ``actor``, ``critic``, ``rollout`` and ``algorithm`` option reaches what reads it (no Ray).
 
-An option no code reads is a bug: each one is changed in turn and the worker plan must change.
+An option no code reads is a bug: each one is changed in turn and what the workers receive (their specs,
+exactly as the pipeline hands them over) must change. ``algorithm`` options the driver reads instead
+(credit assignment, the KL controller) must change what the driver computes.
 """
 
 from __future__ import annotations
@@ -9,10 +11,19 @@ import dataclasses
 import typing
 
 import pytest
+import torch
 
-from roll.config.rlvr import ActorConfig, CriticConfig, RLVRConfig, RolloutConfig
+from roll.config.rlvr import (
+    ActorConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    RewardShapingConfig,
+    RLVRConfig,
+    RolloutConfig,
+)
+from roll.pipelines.credit import compute_advantages, shape_scores
 from roll.pipelines.worker_specs import RLVRWorkerPlan, from_section, plan_workers
-from roll.workers.actor import ActorSpec, OptimizerSpec
+from roll.workers.actor import ActorSpec, OptimizerSpec, PolicyLossSpec
 from roll.workers.base import ModelSpec
 from roll.workers.rollout import RolloutSpec
 
@@ -22,9 +33,34 @@ OTHER_VALUES = {
     "model_path": "/models/value",
     "num_devices_per_worker": 2,
     "group_filters": ["equal_rewards"],
+    "engine": "my_engine",
+    "stop_token_ids": [7],
+    "advantage_estimator": "rloo",
+    "policy_loss": "cispo",
+    "loss_agg_mode": "seq-mean-token-sum",
+    "kl_estimator": "k1",
+    "clip": 0.5,
 }
 # Options that only mean something together with another, set in both the plans compared.
-COMPANIONS = {"num_devices_per_worker": {"device_mapping": [0, 1, 2, 3]}}
+COMPANIONS = {
+    "num_devices_per_worker": {"device_mapping": [0, 1, 2, 3]},
+    "tis_cap": {"off_policy_correction": "tis"},
+    "gamma": {"advantage_estimator": "gae"},
+    "lam": {"advantage_estimator": "gae"},
+    "overlong_penalty_factor": {"overlong_buffer": 2},
+}
+# ``algorithm`` options the driver reads, not a worker: credit assignment (``roll.pipelines.credit``,
+# tested below) and the RLVR loop's KL controller and reference role (run end to end by
+# tests/test_recipes_cli.py::test_algorithm_knobs_reach_the_workers).
+CREDIT_OPTIONS = (
+    "advantage_estimator",
+    "norm_adv_by_std",
+    "gamma",
+    "lam",
+    "whiten_advantages",
+    "advantage_clip",
+)
+KL_CONTROLLER_OPTIONS = ("kl_coef", "kl_penalty", "kl_target", "kl_horizon")
 
 
 def other_value(cls: type, name: str, value: object) -> object:
@@ -40,7 +76,7 @@ def other_value(cls: type, name: str, value: object) -> object:
     if int in types:
         return 2 if value is None else value + 1
     if float in types:
-        return 0.5 if value in (None, 0.0, 1.0) else value / 2
+        return 1.5 if name == "tis_cap" else 0.5 if value in (None, 0.0, 1.0) else value / 2
     raise AssertionError(f"no other value known for {name}: {kind}; add one to OTHER_VALUES")
 
 
@@ -100,3 +136,79 @@ def test_from_section_copies_same_named_fields_and_takes_computed_ones() -> None
     )
     assert (spec.micro_batch_size, spec.ppo_epochs, spec.optimizer.lr) == (3, 2, 1.0)
     assert spec.collective_timeout_s == ActorSpec.__dataclass_fields__["collective_timeout_s"].default
+
+
+def test_algorithm_options_are_each_read_by_the_actor_or_by_the_driver() -> None:
+    actor_side = {f.name for f in dataclasses.fields(PolicyLossSpec)} | {"off_policy_correction"}
+    driver_side = {*CREDIT_OPTIONS, *KL_CONTROLLER_OPTIONS, "reward_shaping"}
+    assert actor_side.isdisjoint(driver_side)
+    assert {f.name for f in dataclasses.fields(AlgorithmConfig)} == actor_side | driver_side
+
+
+@pytest.mark.parametrize(
+    "field",
+    [f.name for f in dataclasses.fields(PolicyLossSpec)] + ["off_policy_correction"],
+)
+def test_every_policy_loss_option_reaches_the_actor(field: str) -> None:
+    cfg = base_config()
+    for name, value in COMPANIONS.get(field, {}).items():
+        setattr(cfg.algorithm, name, value)
+    before = plan_of(cfg).actor
+    setattr(cfg.algorithm, field, other_value(AlgorithmConfig, field, getattr(cfg.algorithm, field)))
+    after = plan_of(cfg).actor
+    assert after.policy != before.policy, f"algorithm.{field} does not reach the actor: wire it or delete it"
+
+
+def test_the_actor_receives_its_loss_options_and_no_pipeline_config() -> None:
+    cfg = base_config()
+    cfg.algorithm.policy_loss, cfg.algorithm.clip_ratio_high = "dual_clip", 0.28
+    actor = plan_of(cfg).actor
+    assert actor.policy == PolicyLossSpec(policy_loss="dual_clip", clip_ratio_high=0.28, tis_cap=None)
+    for spec_field in dataclasses.fields(actor):
+        value = getattr(actor, spec_field.name)
+        assert not isinstance(value, (AlgorithmConfig, RLVRConfig)), spec_field.name
+
+
+def test_the_off_policy_correction_resolves_by_the_rollout_mode() -> None:
+    cfg = base_config()
+    assert plan_of(cfg).actor.policy.tis_cap is None  # synchronous: on-policy up to engine mismatch
+    cfg.rollout.async_generation_ratio = 1
+    assert plan_of(cfg).actor.policy.tis_cap == 2.0  # auto: on, at the default cap
+    cfg.algorithm.tis_cap = 3.0
+    assert plan_of(cfg).actor.policy.tis_cap == 3.0
+    cfg.algorithm.off_policy_correction, cfg.algorithm.tis_cap = "none", None
+    assert plan_of(cfg).actor.policy.tis_cap is None
+    cfg.rollout.async_generation_ratio, cfg.algorithm.off_policy_correction = 0, "tis"
+    assert plan_of(cfg).actor.policy.tis_cap == 2.0
+
+
+def _credit(algo: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns of a fixed batch (groups of 2, a loss mask with holes, critic values)."""
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 1, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]] * 2)
+    rewards = torch.rand(mask.shape, generator=generator) * 4 - 1
+    values = torch.rand(mask.shape, generator=generator)
+    return compute_advantages(algo, rewards * mask, mask, torch.arange(8) // 2, values)
+
+
+@pytest.mark.parametrize("field", CREDIT_OPTIONS)
+def test_every_credit_option_changes_the_advantages(field: str) -> None:
+    algo = AlgorithmConfig()
+    for name, value in COMPANIONS.get(field, {}).items():
+        setattr(algo, name, value)
+    before = _credit(algo)
+    setattr(algo, field, other_value(AlgorithmConfig, field, getattr(algo, field)))
+    after = _credit(algo)
+    assert not all(torch.equal(a, b) for a, b in zip(before, after)), f"algorithm.{field} changes nothing"
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(RewardShapingConfig)])
+def test_every_reward_shaping_option_changes_the_scores(field: str) -> None:
+    shaping = RewardShapingConfig()
+    for name, value in COMPANIONS.get(field, {}).items():
+        setattr(shaping, name, value)
+    scores, lengths = torch.tensor([1.0, 0.0, 2.0, -1.0]), torch.tensor([16, 3, 15, 8])
+    before = shape_scores(scores, lengths, shaping, max_new_tokens=16)
+    setattr(shaping, field, other_value(RewardShapingConfig, field, getattr(shaping, field)))
+    after = shape_scores(scores, lengths, shaping, max_new_tokens=16)
+    assert not torch.equal(before, after), f"algorithm.reward_shaping.{field} changes nothing"

@@ -106,11 +106,12 @@ def test_conflicting_world_size_is_rejected() -> None:
     assert "leave actor.world_size unset" in message
 
 
-def test_num_devices_per_worker_divides_the_mapping() -> None:
-    cfg = load_config(QUICKSTART, ["rollout.device_mapping=range(0,4)", "rollout.num_devices_per_worker=2"])
-    assert cfg.rollout.device_mapping == [0, 1, 2, 3]
-    assert cfg.rollout.world_size == 2
-    assert cfg.actor.world_size == 1
+def test_devices_per_worker_the_engine_cannot_use_are_rejected() -> None:
+    # The hf engine runs a worker on one device: a second one per worker would sit idle, reserved.
+    message = load_error(["rollout.device_mapping=range(0,4)", "rollout.num_devices_per_worker=2"])
+    assert "rollout.num_devices_per_worker=2: the hf engine runs each rollout worker on 1 device" in message
+    cfg = load_config(QUICKSTART, ["rollout.device_mapping=range(0,4)", "rollout.num_devices_per_worker=1"])
+    assert cfg.rollout.world_size == 4 and cfg.actor.world_size == 1
 
 
 def test_uneven_num_devices_per_worker_is_rejected() -> None:

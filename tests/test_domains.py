@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from roll.config.rlvr import DEFAULT_DOMAIN, DomainConfig, RLVRConfig, run_domains
+from roll.config.rlvr import DomainConfig, RLVRConfig, run_domains
 from roll.config.validation import validate_rlvr
 from roll.data.batch import Batch
 from roll.data.dataset import DatasetError
+from roll.data.domains import DEFAULT_DOMAIN
 from roll.data.mixing import DomainMixer, apportion
 from roll.pipelines.domains import mix_domain_evals, reward_metrics
 from roll.rewards import REWARD_FUNCTIONS, RewardOutput

@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from sandbox_required import skip_without_sandbox
 
 from roll.data.batch import Batch
 from roll.distributed.cluster import Cluster
@@ -131,7 +132,7 @@ def test_hostile_programs_score_zero_and_the_reward_worker_serves_the_next(
     try:
         resolve_isolation("auto")
     except SandboxUnavailable as e:
-        pytest.skip(f"no sandbox isolation here: {e}")
+        skip_without_sandbox(f"no sandbox isolation here: {e}")
     # The reward worker's environment holds the secret too: its processes are the sandbox's parents.
     monkeypatch.setenv(SECRET_VAR, "s3cret")
     spec = RewardSpec.single("code_tests", {"timeout_s": 1.0, "memory_mb": 256})

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from roll.config import RayConfig, load_config
+from roll.config.loader import ConfigError
 from roll.data.prompts import PromptSet, unknown_pieces
 from roll.models.loading import load_tokenizer
 from roll.models.tiny import save_tiny_model
@@ -100,6 +101,15 @@ def test_preflight_returns_the_tokenised_datasets(tmp_path: Path) -> None:
         inputs.train.token_ids[0]
         == inputs.tokenizer(inputs.train.texts[0], add_special_tokens=False)["input_ids"]
     )
+    assert not (tmp_path / "run").exists()
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_rejected_before_anything_starts(tmp_path: Path) -> None:
+    cfg = load_config(
+        "examples/quickstart.yaml", [f"output_dir={tmp_path / 'run'}", "rollout.stop_token_ids=[3,999]"]
+    )
+    with pytest.raises(ConfigError, match=r"rollout.stop_token_ids: \[999\] are not token ids"):
+        preflight(cfg)
     assert not (tmp_path / "run").exists()
 
 

@@ -65,7 +65,7 @@ def test_recipe_trains_two_steps(recipe, tmp_path):
             # Dual-clip with truncated IS, two updates per batch, and an adaptive KL in the loss.
             [
                 "algorithm.policy_loss=dual_clip",
-                "algorithm.tis_cap=2.0",
+                "algorithm.off_policy_correction=tis",
                 "actor.mini_batch_size=32",
                 "algorithm.kl_coef=0.05",
                 "algorithm.kl_target=0.001",
@@ -183,3 +183,25 @@ def test_recipe_raises_the_held_out_score(recipe, steps, warm_start_model, repo_
     assert [step for step, _ in evals] == [0, steps // 2, steps]
     before, after = evals[0][1], evals[-1][1]
     assert after >= before + 0.1, f"{recipe}: eval/score did not rise enough: {evals}"
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_session", "at_repo_root")
+def test_async_training_corrects_stale_samples_and_says_so(tmp_path, capsys):
+    common = ["steps=4", "sft_warm_start=null", "eval.every_steps=0", "tracking.backends=[jsonl]"]
+    # From the random model every reward is 0: an entropy bonus and a high learning rate still move the
+    # policy visibly at every step.
+    moving = ["actor.lr=1e-2", "algorithm.entropy_coef=0.01"]
+    train_in_process("examples/async.yaml", f"output_dir={tmp_path / 'on'}", *moving, *common)
+    assert "off-policy correction (rollout.async_generation_ratio=1)" in capsys.readouterr().out
+    rows = [row for row in metrics(tmp_path / "on") if "actor/loss" in row]
+    stale = [row for row in rows if row["rollout/staleness_mean"] > 0]
+    assert stale, [row["rollout/staleness_mean"] for row in rows]
+    for row in stale:  # samples a version old: the trainer's and the engine's probabilities differ
+        assert abs(row["actor/tis_weight_mean"] - 1.0) > 1e-4, row
+        assert 0.0 <= row["actor/tis_clip_frac"] <= 1.0
+
+    off = ["algorithm.off_policy_correction=none", "steps=2"]
+    train_in_process("examples/async.yaml", f"output_dir={tmp_path / 'off'}", *common, *off)
+    assert "WARNING: off-policy correction is off" in capsys.readouterr().out
+    assert not any("actor/tis_weight_mean" in row for row in metrics(tmp_path / "off"))

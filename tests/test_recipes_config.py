@@ -85,6 +85,18 @@ def test_base_cycle_is_reported(tmp_path: Path) -> None:
         ),
         (["algorithm.policy_loss=dual_clip", "algorithm.clip_ratio_c=1.0"], ["clip_ratio_c must be > 1"]),
         (["algorithm.tis_cap=0.5"], ["tis_cap must be >= 1"]),
+        (
+            ["algorithm.tis_cap=2.0"],
+            ["algorithm.tis_cap=2.0 is read only when", "algorithm.off_policy_correction=tis"],
+        ),
+        (
+            [
+                "rollout.async_generation_ratio=1",
+                "algorithm.off_policy_correction=none",
+                "algorithm.tis_cap=3",
+            ],
+            ["algorithm.tis_cap=3.0 is read only when", "off_policy_correction=none makes none"],
+        ),
         (["algorithm.clip_ratio_low=1.5"], ["clip_ratio_low must be in (0, 1)"]),
         (["algorithm.lam=1.5"], ["algorithm.lam must be in [0, 1] (got 1.5)"]),
         (["algorithm.reward_shaping.overlong_buffer=9"], ["overlong_buffer (9)", "max_new_tokens=4"]),

@@ -21,6 +21,7 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+from sandbox_required import skip_without_sandbox
 
 from roll.sandbox import SandboxLimits, SandboxUnavailable, resolve_isolation, run_python, runner
 
@@ -37,8 +38,11 @@ def _works(mode: str) -> bool:
 
 @pytest.fixture(params=["unshare", "bwrap"])
 def isolated(request) -> str:
-    """Each namespaced isolation mode that works on this machine."""
+    """Each namespaced isolation mode that works on this machine (one missing mode is skipped while
+    another works; none working is a failure where the sandbox is required)."""
     if not _works(request.param):
+        if not any(_works(mode) for mode in ("unshare", "bwrap")):
+            skip_without_sandbox("no namespaced isolation works here")
         pytest.skip(f"isolation {request.param} does not work here")
     return request.param
 
@@ -51,7 +55,7 @@ def any_mode(request) -> str:
     for mode in ("unshare", "bwrap"):
         if _works(mode):
             return mode
-    pytest.skip("no namespaced isolation works here")
+    skip_without_sandbox("no namespaced isolation works here")
 
 
 def marked(code: str) -> tuple[str, str]:
@@ -369,3 +373,12 @@ def test_extra_files_and_bad_names(any_mode):
     assert result.ok and result.stdout == "5\n"
     with pytest.raises(ValueError, match="bad sandbox file name"):
         run_python("print(1)", files={"../evil.py": ""}, isolation=any_mode)
+
+
+def test_a_required_sandbox_turns_the_skip_into_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLL_REQUIRE_SANDBOX", "1")
+    with pytest.raises(pytest.fail.Exception, match="ROLL_REQUIRE_SANDBOX=1 requires the sandbox"):
+        skip_without_sandbox("no namespaced isolation works here")
+    monkeypatch.delenv("ROLL_REQUIRE_SANDBOX")
+    with pytest.raises(pytest.skip.Exception):
+        skip_without_sandbox("no namespaced isolation works here")

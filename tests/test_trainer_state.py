@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from roll.config.rlvr import AlgorithmConfig
 from roll.data.batch import Batch
 from roll.data.prompts import PromptSet, render_prompt
 from roll.distributed.cluster import Cluster, WorkerError
@@ -64,7 +63,6 @@ def start(tiny_model_path: str, world_size: int = 1, **changes: object) -> Clust
         model=ModelSpec(path=tiny_model_path),
         optimizer=OptimizerSpec(lr=1e-2, total_steps=10, warmup_steps=2, lr_scheduler="cosine"),
         micro_batch_size=4,
-        algorithm=AlgorithmConfig(),
     )
     actor = Cluster("actor", PoisonableActor, world_size, dataclasses.replace(spec, **changes))
     setup_trainer(actor)

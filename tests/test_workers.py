@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-from roll.config.rlvr import AlgorithmConfig
 from roll.data.batch import Batch
 from roll.data.micro_batches import row_tokens
 from roll.data.prompts import PromptSet, render_prompt
@@ -47,7 +46,6 @@ def actor_spec(tiny_model_path: str, lr: float = 1e-2) -> ActorSpec:
         model=ModelSpec(path=tiny_model_path),
         optimizer=OptimizerSpec(lr=lr, total_steps=10),
         micro_batch_size=4,
-        algorithm=AlgorithmConfig(),
     )
 
 

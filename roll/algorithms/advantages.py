@@ -2,12 +2,14 @@
 
 Every estimator has the same signature, so the pipeline can pick one by name from the config::
 
-    fn(token_level_rewards, response_mask, group_index, **params) -> (advantages, returns)
+    fn(token_level_rewards, loss_mask, group_index, **params) -> (advantages, returns)
 
 Args shared by all estimators:
     token_level_rewards: ``[B, T]`` reward per response token; for outcome rewards the score sits on
-        the last response token and the rest is zero (per-token KL penalties may be added on top).
-    response_mask: ``[B, T]`` 1 for response tokens that are trained on, 0 for padding (bool or float).
+        the last trained token and the rest is zero (per-token KL penalties may be added on top).
+    loss_mask: ``[B, T]`` 1 for the response tokens trained on; 0 for padding and for tokens the policy
+        did not sample (an environment's observation inside a multi-turn response, see
+        ``roll.data.masks``). Bool or float.
     group_index: ``[B]`` long; samples generated from the same prompt share a value. Values are
         arbitrary ids: groups need not be contiguous in the batch nor numbered from 0.
 
@@ -15,7 +17,7 @@ Optional params, passed by the caller only when the estimator declares them (see
 ``roll.utils.registry.accepted_kwargs``): ``values`` (``[B, T]`` critic values, or None), ``gamma``
 (discount), ``lam`` (GAE lambda), ``norm_adv_by_std`` (GRPO's std division).
 
-Returns ``(advantages, returns)``, both ``[B, T]`` float32 and zero outside ``response_mask``.
+Returns ``(advantages, returns)``, both ``[B, T]`` float32 and zero outside ``loss_mask``.
 Estimators compute no gradient.
 
 Every estimator is registered with two traits the config validator reads:
@@ -40,15 +42,15 @@ AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
 
 
-def _sequence_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def _sequence_scores(token_level_rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` token rewards -> ``[B]`` float32 scores, ignoring rewards on padding."""
-    mask = response_mask.to(torch.float32)
+    mask = loss_mask.to(torch.float32)
     return (token_level_rewards.to(torch.float32) * mask).sum(dim=-1)
 
 
-def _per_token(per_sequence: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def _per_token(per_sequence: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """``[B]`` per-sequence value -> ``[B, T]``, the value on every response token and 0 on padding."""
-    return per_sequence.unsqueeze(-1) * response_mask.to(torch.float32)
+    return per_sequence.unsqueeze(-1) * loss_mask.to(torch.float32)
 
 
 def _group_stats(
@@ -122,14 +124,14 @@ def _next_masked_value(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
 @ADVANTAGE_ESTIMATORS.register("grpo", needs_groups=True, needs_values=False)
 def grpo_advantages(
     token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     group_index: torch.Tensor,
     norm_adv_by_std: bool = True,
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: each response's score relative to the other responses to the same prompt.
 
-    ``score = sum_t token_level_rewards * response_mask``, then per group::
+    ``score = sum_t token_level_rewards * loss_mask``, then per group::
 
         advantage = (score - mean_group) / (std_group + eps)   if norm_adv_by_std
         advantage =  score - mean_group                        otherwise
@@ -143,7 +145,7 @@ def grpo_advantages(
 
     Args:
         token_level_rewards: ``[B, T]``.
-        response_mask: ``[B, T]``.
+        loss_mask: ``[B, T]``.
         group_index: ``[B]`` long.
         norm_adv_by_std: divide by the group std (GRPO); ``False`` gives the Dr. GRPO variant, which
             avoids up-weighting groups whose rewards barely differ.
@@ -153,18 +155,18 @@ def grpo_advantages(
         ``(advantages, returns)``, both ``[B, T]`` float32; returns equal advantages.
     """
     with torch.no_grad():
-        scores = _sequence_scores(token_level_rewards, response_mask)
+        scores = _sequence_scores(token_level_rewards, loss_mask)
         mean, std, _ = _group_stats(scores, group_index)
         centred = scores - mean
         advantage = centred / (std + eps) if norm_adv_by_std else centred
-        advantages = _per_token(advantage, response_mask)
+        advantages = _per_token(advantage, loss_mask)
     return advantages, advantages
 
 
 @ADVANTAGE_ESTIMATORS.register("dr_grpo", needs_groups=True, needs_values=False)
 def dr_grpo_advantages(
     token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     group_index: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): ``score - mean_group``.
@@ -176,19 +178,19 @@ def dr_grpo_advantages(
 
     Args:
         token_level_rewards: ``[B, T]``.
-        response_mask: ``[B, T]``.
+        loss_mask: ``[B, T]``.
         group_index: ``[B]`` long.
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]`` float32; returns equal advantages.
     """
-    return grpo_advantages(token_level_rewards, response_mask, group_index, norm_adv_by_std=False)
+    return grpo_advantages(token_level_rewards, loss_mask, group_index, norm_adv_by_std=False)
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo", needs_groups=True, needs_values=False)
 def rloo_advantages(
     token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     group_index: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO (Ahmadian et al. 2024, "Back to Basics"): leave-one-out baseline within each group.
@@ -202,25 +204,25 @@ def rloo_advantages(
 
     Args:
         token_level_rewards: ``[B, T]``.
-        response_mask: ``[B, T]``.
+        loss_mask: ``[B, T]``.
         group_index: ``[B]`` long.
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]`` float32; returns equal advantages.
     """
     with torch.no_grad():
-        scores = _sequence_scores(token_level_rewards, response_mask)
+        scores = _sequence_scores(token_level_rewards, loss_mask)
         mean, _, size = _group_stats(scores, group_index)
         # Singleton: the centred score is 0 already; the clamp only avoids 1 / 0.
         advantage = (scores - mean) * size / (size - 1).clamp(min=1)
-        advantages = _per_token(advantage, response_mask)
+        advantages = _per_token(advantage, loss_mask)
     return advantages, advantages
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_baseline", needs_groups=False, needs_values=False)
 def reinforce_baseline_advantages(
     token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     group_index: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE with the batch-mean score as baseline: ``advantage = score - mean_batch(score)``.
@@ -230,22 +232,22 @@ def reinforce_baseline_advantages(
 
     Args:
         token_level_rewards: ``[B, T]``.
-        response_mask: ``[B, T]``.
+        loss_mask: ``[B, T]``.
         group_index: ``[B]`` (unused).
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]`` float32; returns equal advantages.
     """
     with torch.no_grad():
-        scores = _sequence_scores(token_level_rewards, response_mask)
-        advantages = _per_token(scores - scores.mean(), response_mask)
+        scores = _sequence_scores(token_level_rewards, loss_mask)
+        advantages = _per_token(scores - scores.mean(), loss_mask)
     return advantages, advantages
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus", needs_groups=False, needs_values=False)
 def reinforce_plus_plus_advantages(
     token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     group_index: torch.Tensor,
     gamma: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,7 +264,7 @@ def reinforce_plus_plus_advantages(
 
     Args:
         token_level_rewards: ``[B, T]``.
-        response_mask: ``[B, T]``.
+        loss_mask: ``[B, T]``.
         group_index: ``[B]`` (unused).
         gamma: discount per response token.
 
@@ -270,16 +272,16 @@ def reinforce_plus_plus_advantages(
         ``(advantages, returns)``, both ``[B, T]`` float32; returns are ``G`` before whitening.
     """
     with torch.no_grad():
-        mask = response_mask.to(torch.bool)
+        mask = loss_mask.to(torch.bool)
         returns = _reverse_discounted_sum(token_level_rewards.to(torch.float32), mask, gamma)
-        advantages = whiten_advantages(returns, response_mask)
+        advantages = whiten_advantages(returns, loss_mask)
     return advantages, returns
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline", needs_groups=True, needs_values=False)
 def reinforce_plus_plus_baseline_advantages(
     token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     group_index: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with a group baseline: ``score - mean_group``, then whitened over the batch.
@@ -290,23 +292,23 @@ def reinforce_plus_plus_baseline_advantages(
 
     Args:
         token_level_rewards: ``[B, T]``.
-        response_mask: ``[B, T]``.
+        loss_mask: ``[B, T]``.
         group_index: ``[B]`` long.
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]`` float32; returns are the group-centred scores per
         token, before whitening.
     """
-    centred, _ = dr_grpo_advantages(token_level_rewards, response_mask, group_index)
+    centred, _ = dr_grpo_advantages(token_level_rewards, loss_mask, group_index)
     with torch.no_grad():
-        advantages = whiten_advantages(centred, response_mask)
+        advantages = whiten_advantages(centred, loss_mask)
     return advantages, centred
 
 
 @ADVANTAGE_ESTIMATORS.register("gae", needs_groups=False, needs_values=True)
 def gae_advantages(
     token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     group_index: torch.Tensor,
     values: torch.Tensor | None = None,
     gamma: float = 1.0,
@@ -328,7 +330,7 @@ def gae_advantages(
 
     Args:
         token_level_rewards: ``[B, T]``.
-        response_mask: ``[B, T]``.
+        loss_mask: ``[B, T]``.
         group_index: ``[B]`` (unused).
         values: ``[B, T]`` critic values (required).
         gamma: discount per response token.
@@ -346,8 +348,8 @@ def gae_advantages(
         shapes = f"{tuple(values.shape)} vs {tuple(token_level_rewards.shape)}"
         raise ValueError(f"'gae' needs values shaped like the rewards, got {shapes}")
     with torch.no_grad():
-        mask = response_mask.to(torch.bool)
-        weight = response_mask.to(torch.float32)
+        mask = loss_mask.to(torch.bool)
+        weight = loss_mask.to(torch.float32)
         current = values.to(torch.float32) * weight
         deltas = token_level_rewards.to(torch.float32) + gamma * _next_masked_value(current, mask) - current
         advantages = _reverse_discounted_sum(deltas, mask, gamma * lam)
@@ -355,20 +357,20 @@ def gae_advantages(
     return advantages, returns
 
 
-def whiten_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def whiten_advantages(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Shift and scale advantages to zero mean and unit (unbiased) std over all masked tokens.
 
     Args:
         advantages: ``[B, T]``.
-        response_mask: ``[B, T]`` bool or float.
+        loss_mask: ``[B, T]`` bool or float.
 
     Returns:
         ``[B, T]`` float32, zero outside the mask. A batch whose masked advantages are all equal
         becomes all zeros.
     """
     with torch.no_grad():
-        whitened = masked_whiten(advantages.to(torch.float32), response_mask)
-        return whitened * response_mask.to(torch.float32)
+        whitened = masked_whiten(advantages.to(torch.float32), loss_mask)
+        return whitened * loss_mask.to(torch.float32)
 
 
 def clip_advantages(advantages: torch.Tensor, max_abs: float) -> torch.Tensor:

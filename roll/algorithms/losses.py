@@ -2,7 +2,7 @@
 
 Every policy loss has the signature::
 
-    fn(logprobs, old_logprobs, advantages, response_mask, *,
+    fn(logprobs, old_logprobs, advantages, loss_mask, *,
        loss_agg_mode="token-mean", denominator=None, **params) -> (loss, metrics)
 
 Args shared by all policy losses:
@@ -10,7 +10,7 @@ Args shared by all policy losses:
         (carries the gradient).
     old_logprobs: ``[B, T]`` the same under the policy that generated the samples (no gradient).
     advantages: ``[B, T]``.
-    response_mask: ``[B, T]`` bool or float; 0 for padding and environment tokens.
+    loss_mask: ``[B, T]`` bool or float; 0 for padding and environment tokens.
     loss_agg_mode: name in ``LOSS_AGGREGATIONS``; ``denominator`` is passed through to it.
 
 Optional params, passed by the caller only when the loss declares them (see
@@ -65,7 +65,7 @@ def _clipped_surrogate(
 
 @torch.no_grad()
 def _ratio_metrics(
-    log_ratio: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, response_mask: torch.Tensor
+    log_ratio: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, loss_mask: torch.Tensor
 ) -> dict[str, float]:
     """The metrics every policy loss reports, as python floats over masked tokens.
 
@@ -73,14 +73,14 @@ def _ratio_metrics(
         log_ratio: ``[B, T]`` per-token ``logprobs - old_logprobs``, for ``approx_kl``.
         ratio: ``[B, T]`` the importance ratio the loss uses, for ``ratio_mean`` / ``ratio_max``.
         clipped: ``[B, T]`` bool, tokens counted in ``clip_frac``.
-        response_mask: ``[B, T]``.
+        loss_mask: ``[B, T]``.
     """
-    mask = response_mask.to(torch.bool)
+    mask = loss_mask.to(torch.bool)
     ratio = ratio.detach().float()
     return {
-        "clip_frac": masked_mean(clipped.float(), response_mask).item(),
-        "approx_kl": masked_mean(0.5 * log_ratio.detach().float() ** 2, response_mask).item(),
-        "ratio_mean": masked_mean(ratio, response_mask).item(),
+        "clip_frac": masked_mean(clipped.float(), loss_mask).item(),
+        "approx_kl": masked_mean(0.5 * log_ratio.detach().float() ** 2, loss_mask).item(),
+        "ratio_mean": masked_mean(ratio, loss_mask).item(),
         "ratio_max": ratio[mask].max().item() if mask.any() else 0.0,
     }
 
@@ -90,7 +90,7 @@ def ppo_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     *,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
@@ -112,7 +112,7 @@ def ppo_clip_loss(
         logprobs: ``[B, T]``.
         old_logprobs: ``[B, T]``.
         advantages: ``[B, T]``.
-        response_mask: ``[B, T]``.
+        loss_mask: ``[B, T]``.
         clip_ratio_low: lower bound of the ratio is ``1 - clip_ratio_low``.
         clip_ratio_high: upper bound of the ratio is ``1 + clip_ratio_high``.
         loss_agg_mode: ``LOSS_AGGREGATIONS`` name.
@@ -128,8 +128,8 @@ def ppo_clip_loss(
     log_ratio = _log_ratio(logprobs, old_logprobs)
     ratio = torch.exp(log_ratio)
     loss_mat, clip_active = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
-    loss = aggregate(loss_mat, response_mask, denominator)
-    return loss, _ratio_metrics(log_ratio, ratio, clip_active, response_mask)
+    loss = aggregate(loss_mat, loss_mask, denominator)
+    return loss, _ratio_metrics(log_ratio, ratio, clip_active, loss_mask)
 
 
 @POLICY_LOSSES.register("dual_clip")
@@ -137,7 +137,7 @@ def dual_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     *,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
@@ -157,7 +157,7 @@ def dual_clip_loss(
     loss is the constant ``-A * c`` and the token gets no gradient.
 
     Args:
-        logprobs, old_logprobs, advantages, response_mask: see the module docstring.
+        logprobs, old_logprobs, advantages, loss_mask: see the module docstring.
         clip_ratio_low: lower bound of the ratio is ``1 - clip_ratio_low``.
         clip_ratio_high: upper bound of the ratio is ``1 + clip_ratio_high``.
         clip_ratio_c: the cap's ratio; must be > 1 (3.0 in the paper).
@@ -180,9 +180,9 @@ def dual_clip_loss(
     cap = -advantages * clip_ratio_c
     capped = (advantages < 0) & (cap < ppo_mat)
     loss_mat = torch.where(capped, cap, ppo_mat)
-    loss = aggregate(loss_mat, response_mask, denominator)
-    metrics = _ratio_metrics(log_ratio, ratio, clip_active, response_mask)
-    metrics["dual_clip_frac"] = masked_mean(capped.float(), response_mask).item()
+    loss = aggregate(loss_mat, loss_mask, denominator)
+    metrics = _ratio_metrics(log_ratio, ratio, clip_active, loss_mask)
+    metrics["dual_clip_frac"] = masked_mean(capped.float(), loss_mask).item()
     return loss, metrics
 
 
@@ -191,7 +191,7 @@ def gspo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     *,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
@@ -211,7 +211,7 @@ def gspo_loss(
     ranges (e.g. ``clip_ratio_low=3e-4, clip_ratio_high=4e-4``); set them in the config.
 
     Args:
-        logprobs, old_logprobs, advantages, response_mask: see the module docstring.
+        logprobs, old_logprobs, advantages, loss_mask: see the module docstring.
         clip_ratio_low: lower bound of the sequence ratio is ``1 - clip_ratio_low``.
         clip_ratio_high: upper bound of the sequence ratio is ``1 + clip_ratio_high``.
         loss_agg_mode: ``LOSS_AGGREGATIONS`` name.
@@ -225,11 +225,11 @@ def gspo_loss(
     aggregate = LOSS_AGGREGATIONS.get(loss_agg_mode)
     token_log_ratio = _log_ratio(logprobs, old_logprobs)
     # From the clamped token log-ratios, so a corrupted padding logprob cannot turn into inf * 0 = NaN.
-    seq_log_ratio = masked_mean(token_log_ratio.detach(), response_mask, dim=-1)
+    seq_log_ratio = masked_mean(token_log_ratio.detach(), loss_mask, dim=-1)
     ratio = torch.exp(seq_log_ratio.unsqueeze(-1) + logprobs - logprobs.detach())
     loss_mat, clip_active = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
-    loss = aggregate(loss_mat, response_mask, denominator)
-    return loss, _ratio_metrics(token_log_ratio, ratio, clip_active, response_mask)
+    loss = aggregate(loss_mat, loss_mask, denominator)
+    return loss, _ratio_metrics(token_log_ratio, ratio, clip_active, loss_mask)
 
 
 @POLICY_LOSSES.register("cispo")
@@ -237,7 +237,7 @@ def cispo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     *,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
@@ -256,7 +256,7 @@ def cispo_loss(
     ``clip_ratio_low`` disables the lower bound).
 
     Args:
-        logprobs, old_logprobs, advantages, response_mask: see the module docstring.
+        logprobs, old_logprobs, advantages, loss_mask: see the module docstring.
         clip_ratio_low: the weight is at least ``1 - clip_ratio_low``.
         clip_ratio_high: the weight is at most ``1 + clip_ratio_high``.
         loss_agg_mode: ``LOSS_AGGREGATIONS`` name.
@@ -271,15 +271,15 @@ def cispo_loss(
     ratio = torch.exp(log_ratio)
     weight = ratio.clamp(min=1.0 - clip_ratio_low, max=1.0 + clip_ratio_high)
     loss_mat = -weight * advantages * logprobs
-    loss = aggregate(loss_mat, response_mask, denominator)
-    return loss, _ratio_metrics(log_ratio, ratio, weight != ratio, response_mask)
+    loss = aggregate(loss_mat, loss_mask, denominator)
+    return loss, _ratio_metrics(log_ratio, ratio, weight != ratio, loss_mask)
 
 
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
     returns: torch.Tensor,
-    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     *,
     clip_range_value: float = 0.2,
     loss_agg_mode: str = "token-mean",
@@ -299,7 +299,7 @@ def value_loss(
         values: ``[B, T]`` current critic values (carries the gradient).
         old_values: ``[B, T]`` critic values at rollout time.
         returns: ``[B, T]`` targets, e.g. from the ``gae`` estimator.
-        response_mask: ``[B, T]``.
+        loss_mask: ``[B, T]``.
         clip_range_value: ``c`` above.
         loss_agg_mode: ``LOSS_AGGREGATIONS`` name.
         denominator: see ``roll.algorithms.aggregation``.
@@ -319,18 +319,18 @@ def value_loss(
     else:
         clip_active = torch.zeros_like(unclipped, dtype=torch.bool)
         loss_mat = unclipped
-    loss = aggregate(loss_mat, response_mask, denominator)
+    loss = aggregate(loss_mat, loss_mask, denominator)
 
     with torch.no_grad():
         v, r = values.detach().float(), returns.detach().float()
-        var_returns = masked_var(r, response_mask)
-        var_error = masked_var(r - v, response_mask)
+        var_returns = masked_var(r, loss_mask)
+        var_error = masked_var(r - v, loss_mask)
         explained = torch.where(
             var_returns > 0, 1.0 - var_error / var_returns.clamp(min=1e-12), torch.zeros_like(var_returns)
         )
         metrics = {
-            "vf_clip_frac": masked_mean(clip_active.float(), response_mask).item(),
-            "values_mean": masked_mean(v, response_mask).item(),
+            "vf_clip_frac": masked_mean(clip_active.float(), loss_mask).item(),
+            "values_mean": masked_mean(v, loss_mask).item(),
             "explained_variance": explained.item(),
         }
     return loss, metrics
@@ -340,7 +340,7 @@ def value_loss(
 def truncated_is_weights(
     old_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
-    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     cap: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Truncated importance sampling (TIS) weights for the rollout engine / trainer mismatch.
@@ -359,7 +359,7 @@ def truncated_is_weights(
     Args:
         old_logprobs: ``[B, T]`` trainer log-probabilities of the sampled tokens before the update.
         rollout_logprobs: ``[B, T]`` the inference engine's log-probabilities of the same tokens.
-        response_mask: ``[B, T]``.
+        loss_mask: ``[B, T]``.
         cap: truncation, >= 1 (e.g. 2.0).
 
     Returns:
@@ -373,10 +373,10 @@ def truncated_is_weights(
     if not cap >= 1.0:
         raise ValueError(f"truncated importance sampling cap must be >= 1, got {cap}")
     ratio = torch.exp(_log_ratio(old_logprobs.float(), rollout_logprobs.float()))
-    weights = ratio.clamp(max=cap) * response_mask.to(torch.float32)
+    weights = ratio.clamp(max=cap) * loss_mask.to(torch.float32)
     metrics = {
-        "tis_weight_mean": masked_mean(weights, response_mask).item(),
-        "tis_clip_frac": masked_mean((ratio > cap).float(), response_mask).item(),
+        "tis_weight_mean": masked_mean(weights, loss_mask).item(),
+        "tis_clip_frac": masked_mean((ratio > cap).float(), loss_mask).item(),
     }
     return weights, metrics
 
@@ -384,7 +384,7 @@ def truncated_is_weights(
 def kl_penalty_loss(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
-    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     estimator: str = "k3",
     loss_agg_mode: str = "token-mean",
     denominator: float | None = None,
@@ -394,7 +394,7 @@ def kl_penalty_loss(
     Args:
         logprobs: ``[B, T]`` policy log-probabilities (carries the gradient).
         ref_logprobs: ``[B, T]`` reference-model log-probabilities.
-        response_mask: ``[B, T]``.
+        loss_mask: ``[B, T]``.
         estimator: ``KL_ESTIMATORS`` name.
         loss_agg_mode: ``LOSS_AGGREGATIONS`` name.
         denominator: see ``roll.algorithms.aggregation``.
@@ -403,12 +403,12 @@ def kl_penalty_loss(
         Scalar tensor.
     """
     kl = KL_ESTIMATORS.get(estimator)(logprobs, ref_logprobs)
-    return LOSS_AGGREGATIONS.get(loss_agg_mode)(kl, response_mask, denominator)
+    return LOSS_AGGREGATIONS.get(loss_agg_mode)(kl, loss_mask, denominator)
 
 
 def entropy_loss(
     entropy: torch.Tensor,
-    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
     denominator: float | None = None,
 ) -> torch.Tensor:
@@ -416,11 +416,11 @@ def entropy_loss(
 
     Args:
         entropy: ``[B, T]`` per-token entropy (see ``functional.entropy_from_logits``).
-        response_mask: ``[B, T]``.
+        loss_mask: ``[B, T]``.
         loss_agg_mode: ``LOSS_AGGREGATIONS`` name.
         denominator: see ``roll.algorithms.aggregation``.
 
     Returns:
         Scalar tensor (the aggregated entropy, a quantity to maximise).
     """
-    return LOSS_AGGREGATIONS.get(loss_agg_mode)(entropy, response_mask, denominator)
+    return LOSS_AGGREGATIONS.get(loss_agg_mode)(entropy, loss_mask, denominator)

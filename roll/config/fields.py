@@ -19,8 +19,9 @@ def option(
     le: float | None = None,
 ) -> Any:
     """Declare a config field with its default, a one-line doc shown by ``roll config --docs`` and the
-    bounds its value must respect (``gt``: >, ``ge``: >=, ``le``: <=; an unset optional value is not
-    checked). ``out_of_bounds`` reports violations under the field's dotted key at load time."""
+    bounds its value must respect (``gt``: >, ``ge``: >=, ``le``: <=; each entry of a list; an unset
+    optional value is not checked). ``out_of_bounds`` reports violations under the field's dotted key at
+    load time."""
     if not help:
         raise ValueError("every config field needs a one-line help text")
     metadata: dict[str, Any] = {"help": help}
@@ -101,4 +102,8 @@ def out_of_bounds(config: Any, prefix: str = "") -> list[str]:
         bounds = f.metadata.get("bounds")
         if bounds and isinstance(value, (int, float)) and not _within(value, bounds):
             problems.append(f"{prefix}{f.name} must be {_bound_text(bounds)} (got {value})")
+        elif bounds and isinstance(value, (list, tuple)):  # a list of numbers: each element
+            outside = [v for v in value if isinstance(v, (int, float)) and not _within(v, bounds)]
+            if outside:
+                problems.append(f"{prefix}{f.name}: each entry must be {_bound_text(bounds)} (got {outside})")
     return problems

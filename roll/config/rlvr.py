@@ -15,6 +15,7 @@ from roll.config.common import (
 )
 from roll.config.fields import option
 from roll.config.sft import SFTTrainConfig
+from roll.data.domains import DEFAULT_DOMAIN
 
 
 @dataclass
@@ -33,7 +34,10 @@ class RolloutConfig:
         "colocated (time-shared); disjoint: disaggregated. Unset: CPU workers (world_size of them).",
     )
     num_devices_per_worker: int = option(
-        1, help="Devices per rollout worker (model-parallel inference); device_mapping holds whole workers."
+        1,
+        gt=0,
+        help="Devices per rollout worker (model-parallel inference); device_mapping holds whole workers. "
+        "The hf engine uses one.",
     )
     weight_bucket_mb: int = option(
         256, gt=0, help="Weight transfer from the trainer: the size of each broadcast bucket in MiB."
@@ -46,6 +50,17 @@ class RolloutConfig:
     temperature: float = option(1.0, gt=0, help="Sampling temperature (keep near 1 for exploration).")
     top_p: float = option(1.0, gt=0, le=1, help="Nucleus sampling mass (1 disables).")
     top_k: int = option(0, ge=0, help="Sample among the k most likely tokens (0 disables).")
+    engine: str = option(
+        "hf",
+        help="Inference engine of the rollout workers (registry name): hf, continuous batching over any "
+        "Hugging Face causal LM.",
+    )
+    stop_token_ids: list[int] = option(
+        [],
+        ge=0,
+        help="Token ids that end a response (finish reason 'stop'), besides the model's end-of-sequence "
+        "ids: the tokenizer's and every id in its generation_config.json, which always stop it.",
+    )
     max_running_requests: int | None = option(
         None,
         gt=0,
@@ -178,11 +193,18 @@ class AlgorithmConfig:
         help="How token losses become one scalar (registry name): token-mean, seq-mean-token-mean, "
         "seq-mean-token-sum, seq-mean-token-sum-norm.",
     )
+    off_policy_correction: Literal["auto", "tis", "none"] = option(
+        "auto",
+        help="Correction for samples drawn by another policy than the one trained: tis weights each "
+        "token's loss by min(pi_trainer / pi_engine, tis_cap) against the rollout engine's logprobs "
+        "(truncated importance sampling; corrects staleness and engine/trainer mismatch); none trains "
+        "on them as on-policy. auto: tis with rollout.async_generation_ratio > 0, none otherwise.",
+    )
     tis_cap: float | None = option(
         None,
         ge=1,
-        help="Truncated importance sampling: weight each token by min(pi_trainer / pi_engine, cap) to "
-        "correct engine/trainer mismatch (unset disables).",
+        help="Truncated importance sampling: the most a token's weight pi_trainer / pi_engine can be, "
+        "when off_policy_correction is tis (or auto in asynchronous training). Unset: 2.0.",
     )
     kl_coef: float = option(
         0.0, ge=0, help="Weight of the KL to the reference model; 0 skips the reference model."
@@ -293,10 +315,6 @@ class RLVRConfig:
     ray: RayConfig = field(default_factory=RayConfig, metadata={"help": "Ray connection."})
 
 
-# The domain a single-dataset run (no `domains:` section) is made of.
-DEFAULT_DOMAIN = "default"
-
-
 def run_domains(cfg: RLVRConfig) -> dict[str, DomainConfig]:
     """The run's domains: ``cfg.domains``, or for a single-dataset run one domain made of ``data``,
     ``reward``, ``eval_reward`` and ``reward_world_size``."""
@@ -311,3 +329,39 @@ def run_domains(cfg: RLVRConfig) -> dict[str, DomainConfig]:
             reward_world_size=cfg.reward_world_size,
         )
     }
+
+
+# The cap of Yao et al. 2025 ("Your Efficient RL Framework Secretly Brings You Off-Policy RL Training").
+DEFAULT_TIS_CAP = 2.0
+
+
+def off_policy_corrected(cfg: RLVRConfig) -> bool:
+    """Whether the actor weighs tokens by truncated importance sampling against the engine's logprobs
+    (``algorithm.off_policy_correction``, ``auto`` resolved by the rollout mode)."""
+    choice = cfg.algorithm.off_policy_correction
+    return choice == "tis" or (choice == "auto" and cfg.rollout.async_generation_ratio > 0)
+
+
+def tis_cap(cfg: RLVRConfig) -> float | None:
+    """The truncated importance sampling cap the actor uses, or None when no correction is made."""
+    if not off_policy_corrected(cfg):
+        return None
+    return cfg.algorithm.tis_cap if cfg.algorithm.tis_cap is not None else DEFAULT_TIS_CAP
+
+
+def off_policy_note(cfg: RLVRConfig) -> str | None:
+    """The line a run prints at its start about its off-policy correction, when there is one to say:
+    asynchronous training says what corrects its stale samples, or that nothing does."""
+    cap, ratio = tis_cap(cfg), cfg.rollout.async_generation_ratio
+    if cap is not None:
+        why = f"rollout.async_generation_ratio={ratio}" if ratio else "algorithm.off_policy_correction=tis"
+        return (
+            f"off-policy correction ({why}): each token's loss is weighted by min(pi_trainer / pi_engine, "
+            f"{cap:g}) against the rollout engine's logprobs (actor/tis_weight_mean, actor/tis_clip_frac)"
+        )
+    if ratio:
+        return (
+            f"WARNING: off-policy correction is off (algorithm.off_policy_correction=none): samples up to "
+            f"{ratio} weights version(s) old are trained on as if on-policy"
+        )
+    return None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from roll.config.common import EvalConfig, ModelConfig, TrackingConfig
 from roll.config.fields import out_of_bounds
-from roll.config.rlvr import ActorConfig, DomainConfig, RLVRConfig
+from roll.config.rlvr import ActorConfig, DomainConfig, RLVRConfig, RolloutConfig, off_policy_corrected
 from roll.config.sft import SFTConfig, SFTTrainConfig
 from roll.utils.registry import Registry
 
@@ -248,6 +248,12 @@ def check_algorithm(cfg: RLVRConfig) -> list[str]:
             "algorithm.kl_penalty=reward and algorithm.kl_target need a reference model: "
             "set algorithm.kl_coef > 0 (the starting coefficient)"
         )
+    if algo.tis_cap is not None and not off_policy_corrected(cfg):
+        problems.append(
+            f"algorithm.tis_cap={algo.tis_cap} is read only when an off-policy correction is made, and "
+            f"algorithm.off_policy_correction={algo.off_policy_correction} makes none here: set "
+            "algorithm.off_policy_correction=tis (truncated importance sampling) or unset tis_cap"
+        )
     if shaping.overlong_buffer and not 0 < shaping.overlong_buffer <= cfg.rollout.max_new_tokens:
         problems.append(
             f"algorithm.reward_shaping.overlong_buffer ({shaping.overlong_buffer}) must be in "
@@ -272,6 +278,30 @@ def check_hybrid_engine(cfg: RLVRConfig) -> list[str]:
         )
     if rollout.max_running_requests is not None:
         problems.append(f"rollout.max_running_requests: applies to rollout workers only; unset it or {hint}")
+    default_engine = RolloutConfig.__dataclass_fields__["engine"].default
+    if rollout.engine != default_engine:
+        problems.append(
+            f"rollout.engine={rollout.engine}: the hybrid engine generates with the actor's own model "
+            f"(Hugging Face generate); unset it or {hint}"
+        )
+    return problems
+
+
+def check_inference_engine(cfg: RLVRConfig) -> list[str]:
+    """The engine's registry name and the devices it can use per worker."""
+    from roll.strategies.infer import INFERENCE_ENGINES
+
+    rollout = cfg.rollout
+    problems = check_registry("rollout.engine", rollout.engine, INFERENCE_ENGINES)
+    if problems:
+        return problems
+    usable = INFERENCE_ENGINES.traits(rollout.engine).get("devices_per_worker", 1)
+    if rollout.num_devices_per_worker > usable:
+        problems.append(
+            f"rollout.num_devices_per_worker={rollout.num_devices_per_worker}: the {rollout.engine} engine "
+            f"runs each rollout worker on {usable} device(s) and would leave the others idle; set it to "
+            f"{usable} (more rollout workers use more devices)"
+        )
     return problems
 
 
@@ -354,6 +384,7 @@ def validate_rlvr(cfg: RLVRConfig) -> list[str]:
     if cfg.critic is not None:
         problems += check_update_batches("critic", cfg.critic, samples, rollout.num_return_sequences)
     problems += check_algorithm(cfg)
+    problems += check_inference_engine(cfg)
     problems += check_dynamic_sampling(cfg)
     problems += check_async_generation(cfg)
     if not cfg.domains:

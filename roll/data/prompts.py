@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from roll.config.common import DataConfig
-from roll.config.rlvr import DEFAULT_DOMAIN
 from roll.data.dataset import DatasetError, read_jsonl
+from roll.data.domains import DEFAULT_DOMAIN
 
 
 @dataclass

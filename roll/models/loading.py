@@ -85,6 +85,31 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def end_of_sequence_ids(
+    tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module | None = None
+) -> tuple[int, ...]:
+    """Every token id that ends a response: the tokenizer's EOS, then each id of the model's generation
+    config (``generation_config.json``; chat models list several there, Qwen2.5 both ``<|im_end|>`` and
+    ``<|endoftext|>``, while the tokenizer names one). In that order, without repeats.
+
+    Raises:
+        ValueError: neither names one (generation could never end with "stop").
+    """
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if declared is None:
+        declared = []
+    elif isinstance(declared, int):
+        declared = [declared]
+    ids = [tokenizer.eos_token_id, *declared]
+    found = tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+    if not found:
+        raise ValueError(
+            "neither the tokenizer nor the model's generation config names an end-of-sequence token, so a "
+            "response could never end with 'stop'; set eos_token in the tokenizer config"
+        )
+    return found
+
+
 def load_causal_lm(
     path: str | os.PathLike, dtype: str = "float32", device: str | torch.device = "cpu"
 ) -> PreTrainedModel:

@@ -16,6 +16,7 @@ from roll.algorithms.advantages import clip_advantages, whiten_advantages
 from roll.algorithms.functional import masked_mean
 from roll.algorithms.reward_shaping import clip_rewards, length_penalty, normalize_rewards, overlong_penalty
 from roll.config.rlvr import AlgorithmConfig, RewardShapingConfig
+from roll.data.masks import last_index
 from roll.utils.registry import accepted_kwargs
 
 
@@ -43,77 +44,98 @@ def shape_scores(
     return shaped
 
 
-def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] rewards: each response's score on its last response token, 0 elsewhere."""
-    mask = response_mask.to(torch.float32)
-    last = (mask.sum(dim=1).long() - 1).clamp(min=0)
-    rewards = torch.zeros_like(mask)
-    rewards[torch.arange(len(scores)), last] = scores.to(torch.float32)
-    return rewards * mask
+def outcome_token_rewards(scores: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] rewards: each response's score on its last trained token (found by index, so a loss mask
+    with holes still ends where its last 1 is), 0 elsewhere and on rows with no trained token."""
+    last = last_index(loss_mask)
+    rewards = torch.zeros(loss_mask.shape, dtype=torch.float32, device=loss_mask.device)
+    rows = (last >= 0).nonzero().squeeze(-1)
+    rewards[rows, last[rows]] = scores.to(torch.float32)[rows]
+    return rewards
 
 
 def token_level_rewards(
     scores: torch.Tensor,
     shaped: torch.Tensor,
-    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     process_rewards: Sequence[Sequence[float] | None] | None = None,
+    response_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[B, T] rewards from sequence scores and, where a reward gave them, per-token process rewards.
 
-    A row without process rewards gets its shaped score on its last response token (as
+    A row without process rewards gets its shaped score on its last trained token (as
     ``outcome_token_rewards``). A row with process rewards gets them on its response tokens, in order,
-    plus the shaping delta ``shaped - score`` on its last response token: shaping (penalties,
+    plus the shaping delta ``shaped - score`` on its last trained token: shaping (penalties,
     normalisation, clipping) still applies, and process rewards that sum to the score give the same
     sequence return as the outcome reward would. Estimators that compare sequences (GRPO, RLOO, ...) sum
     token rewards, so for them a row's score is the sum of its process rewards plus the shaping delta.
 
+    A reward sees the whole attended response, so process rewards come one per attended token. One that
+    falls on a token outside the loss mask (an environment's observation) is credited to the last trained
+    token before it, the action it followed (to the first trained token when none is before it): the
+    estimators skip untrained positions, so it would otherwise be lost.
+
     Args:
         scores: ``[B]`` the rewards' sequence scores, before shaping.
         shaped: ``[B]`` the scores after ``shape_scores``.
-        response_mask: ``[B, T]`` 1 on response tokens (bool or float), right-padded.
-        process_rewards: per row, one reward per response token, or None; None for the whole batch
-            means outcome rewards only.
+        loss_mask: ``[B, T]`` 1 on the response tokens trained on (bool or float).
+        process_rewards: per row, one reward per attended response token, or None; None for the whole
+            batch means outcome rewards only.
+        response_mask: ``[B, T]`` the attended response tokens, right-padded; default ``loss_mask``.
 
     Returns:
-        ``[B, T]`` float32, zero outside ``response_mask``.
+        ``[B, T]`` float32, zero outside ``loss_mask``.
 
     Raises:
-        ValueError: a row's process rewards have not one entry per response token of that row.
+        ValueError: a row's process rewards have not one entry per attended response token of that row.
     """
-    rewards = outcome_token_rewards(shaped, response_mask)
+    rewards = outcome_token_rewards(shaped, loss_mask)
     if process_rewards is None:
         return rewards
     if len(process_rewards) != len(scores):
         raise ValueError(f"process_rewards has {len(process_rewards)} rows for a batch of {len(scores)}")
-    mask = response_mask.bool()
+    attended = (loss_mask if response_mask is None else response_mask).bool()
+    trained = loss_mask.bool()
     delta = shaped.to(torch.float32) - scores.to(torch.float32)
     for row, per_token in enumerate(process_rewards):
         if per_token is None:
             continue
-        positions = mask[row].nonzero().squeeze(-1)
+        positions = attended[row].nonzero().squeeze(-1)
         if len(per_token) != len(positions):
             raise ValueError(
                 f"row {row}: {len(per_token)} process rewards for {len(positions)} response tokens; "
                 "a process reward needs one entry per response token"
             )
         rewards[row] = 0.0
-        rewards[row, positions] = torch.as_tensor(per_token, dtype=torch.float32)
-        if len(positions):
-            rewards[row, positions[-1]] += delta[row]
+        targets = _credited_positions(trained[row])[positions]
+        kept = targets >= 0  # a row with no trained token has nothing to credit
+        rewards[row].index_add_(0, targets[kept], torch.as_tensor(per_token, dtype=torch.float32)[kept])
+        last = int(last_index(trained[row]))
+        if last >= 0:
+            rewards[row, last] += delta[row]
     return rewards
 
 
+def _credited_positions(trained: torch.Tensor) -> torch.Tensor:
+    """[T] long: for each position of one row, the trained position a reward there is credited to: itself
+    when trained, else the last trained one before it, else the first trained one (-1: none at all)."""
+    columns = torch.arange(len(trained), device=trained.device)
+    before = torch.where(trained, columns, torch.full_like(columns, -1)).cummax(dim=0).values
+    first = int(trained.nonzero()[0]) if trained.any() else -1
+    return torch.where(before >= 0, before, torch.full_like(before, first))
+
+
 def kl_per_token(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_mask: torch.Tensor, estimator: str
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, loss_mask: torch.Tensor, estimator: str
 ) -> torch.Tensor:
-    """[B, T] estimate of KL(policy || reference) on each response token, 0 on padding."""
-    return KL_ESTIMATORS.get(estimator)(logprobs, ref_logprobs) * response_mask.to(torch.float32)
+    """[B, T] estimate of KL(policy || reference) on each trained token, 0 elsewhere."""
+    return KL_ESTIMATORS.get(estimator)(logprobs, ref_logprobs) * loss_mask.to(torch.float32)
 
 
 def compute_advantages(
     algo: AlgorithmConfig,
     token_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     group_index: torch.Tensor,
     values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,17 +148,17 @@ def compute_advantages(
         "norm_adv_by_std": algo.norm_adv_by_std,
     }
     advantages, returns = estimator(
-        token_rewards, response_mask, group_index, **accepted_kwargs(estimator, offered)
+        token_rewards, loss_mask, group_index, **accepted_kwargs(estimator, offered)
     )
     if algo.whiten_advantages:
-        advantages = whiten_advantages(advantages, response_mask)
+        advantages = whiten_advantages(advantages, loss_mask)
     if algo.advantage_clip is not None:
         advantages = clip_advantages(advantages, algo.advantage_clip)
     return advantages, returns
 
 
-def advantage_metrics(advantages: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor) -> dict:
-    mask = response_mask.to(torch.float32)
+def advantage_metrics(advantages: torch.Tensor, returns: torch.Tensor, loss_mask: torch.Tensor) -> dict:
+    mask = loss_mask.to(torch.float32)
     return {
         "advantages/mean": masked_mean(advantages, mask).item(),
         "advantages/abs_mean": masked_mean(advantages.abs(), mask).item(),

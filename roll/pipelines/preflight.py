@@ -92,6 +92,9 @@ def preflight(cfg: Any) -> RunInputs:
     if problems:
         raise ConfigError("cannot start the run:\n" + "\n".join(f"  - {p}" for p in problems))
     tokenizer = load_run_tokenizer(cfg.model)
+    problems = check_stop_token_ids(cfg, tokenizer)
+    if problems:
+        raise ConfigError("cannot start the run:\n" + "\n".join(f"  - {p}" for p in problems))
     if getattr(cfg, "domains", None):
         return RunInputs(tokenizer, *load_domains(cfg, tokenizer))
     needs = DATA_NEEDS.get(cfg.pipeline)(cfg)
@@ -137,6 +140,19 @@ def load_run_tokenizer(model: ModelConfig) -> Any:
     from roll.models.tokenizer import build_char_tokenizer
 
     return build_char_tokenizer(model.tiny.alphabet, model_max_length=model.tiny.max_position_embeddings)
+
+
+def check_stop_token_ids(cfg: Any, tokenizer: Any) -> list[str]:
+    """``rollout.stop_token_ids`` name tokens of the policy's vocabulary (an id past it never stops)."""
+    stop_ids = getattr(getattr(cfg, "rollout", None), "stop_token_ids", [])
+    unknown = [i for i in stop_ids if i >= len(tokenizer)]
+    if not unknown:
+        return []
+    return [
+        f"rollout.stop_token_ids: {unknown} are not token ids of the policy's tokenizer ({len(tokenizer)} "
+        "tokens), so no response could stop at them; use ids below that, e.g. "
+        "tokenizer.convert_tokens_to_ids('<|im_end|>')"
+    ]
 
 
 def check_output_dir(output_dir: str) -> list[str]:

@@ -18,10 +18,12 @@ from roll.algorithms.functional import masked_mean
 from roll.algorithms.kl import adaptive_kl_coef
 from roll.config.devices import resolve_world_sizes
 from roll.config.loader import ConfigError
-from roll.config.rlvr import DEFAULT_DOMAIN, DomainConfig, RLVRConfig, run_domains
+from roll.config.rlvr import DomainConfig, RLVRConfig, off_policy_note, run_domains
 from roll.config.sft import SFTConfig
 from roll.data.batch import Batch
 from roll.data.dataset import PromptIterator
+from roll.data.domains import DEFAULT_DOMAIN
+from roll.data.masks import loss_mask
 from roll.data.mixing import DomainMixer
 from roll.distributed.cluster import Cluster, WorkerError
 from roll.distributed.colocation import Colocation
@@ -350,6 +352,9 @@ class RLVRPipeline:
     def _train(self) -> dict[str, float]:
         cfg = self.config
         with open_tracker(cfg, cfg.steps) as tracker:
+            note = off_policy_note(cfg)
+            if note is not None:
+                tracker.print(note)
             last, results = begin_run(
                 tracker,
                 self.run_dir.resume_from,
@@ -563,14 +568,17 @@ class RLVRPipeline:
             _add(metrics, self.colocation.use(self.generator_role))
             batch, rollout_metrics = self._replacing(lambda: self.scheduler.next_batch(step))
         metrics.update(rollout_metrics)
-        mask = batch["response_mask"].float()
-        lengths = mask.sum(dim=1)
+        # Lengths count every attended response token; credit, the KL and the losses only trained ones.
+        lengths = batch["response_mask"].sum(dim=1).float()
+        mask = loss_mask(batch).float()
         scores = batch["scores"]
         shaped = shape_scores(scores, lengths, algo.reward_shaping, cfg.rollout.max_new_tokens)
         with timer("logprobs"):
             batch = self._forward_passes(batch, metrics)
 
-        token_rewards = token_level_rewards(scores, shaped, mask, batch["token_rewards"])
+        token_rewards = token_level_rewards(
+            scores, shaped, mask, batch["token_rewards"], response_mask=batch["response_mask"]
+        )
         if self.reference is not None and algo.kl_penalty == "reward":
             kl = kl_per_token(batch["old_logprobs"], batch["ref_logprobs"], mask, algo.kl_estimator)
             token_rewards = token_rewards - self.kl_coef * kl

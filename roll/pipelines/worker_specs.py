@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from roll.config.devices import role_plan
-from roll.config.rlvr import RLVRConfig
+from roll.config.rlvr import RLVRConfig, tis_cap
 from roll.distributed.device_mapping import RoleDevices
 from roll.rollout.scheduler import SchedulerSpec
 from roll.strategies.sampling import SamplingParams
-from roll.workers.actor import ActorSpec, OptimizerSpec
+from roll.workers.actor import ActorSpec, OptimizerSpec, PolicyLossSpec
 from roll.workers.base import ModelSpec
 from roll.workers.critic import CriticSpec
 from roll.workers.rollout import RolloutSpec
@@ -85,7 +85,7 @@ def plan_workers(cfg: RLVRConfig, model_path: str) -> RLVRWorkerPlan:
         ActorSpec,
         cfg.actor,
         model=model,
-        algorithm=cfg.algorithm,
+        policy=from_section(PolicyLossSpec, cfg.algorithm, tis_cap=tis_cap(cfg)),
         temperature=rollout.temperature,
         **trainer_fields(cfg.actor),
     )
@@ -93,7 +93,8 @@ def plan_workers(cfg: RLVRConfig, model_path: str) -> RLVRWorkerPlan:
     if cfg.critic is not None:
         critic_model = dataclasses.replace(model, path=cfg.critic.model_path or model.path)
         critic = from_section(CriticSpec, cfg.critic, model=critic_model, **trainer_fields(cfg.critic))
-    sampling = from_section(SamplingParams, rollout)
+    # A tuple: sampling params are hashable (the engine groups requests by them).
+    sampling = from_section(SamplingParams, rollout, stop_token_ids=tuple(rollout.stop_token_ids))
     return RLVRWorkerPlan(
         actor=actor,
         critic=critic,

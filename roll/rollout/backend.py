@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from roll.config.rlvr import DEFAULT_DOMAIN
 from roll.data.batch import Batch
+from roll.data.domains import DEFAULT_DOMAIN
 from roll.data.padding import left_pad, right_pad
 from roll.distributed.cluster import Cluster, ClusterFuture, wait_any
 from roll.rollout.router import RolloutRouter

@@ -1,8 +1,10 @@
 """Teacher-forced forward passes over (prompt, response) batches with a Hugging Face causal LM.
 
 Batch layout used across ROLL: ``prompt_ids``/``prompt_mask`` [B, P] left-padded, ``response_ids``/
-``response_mask`` [B, R] right-padded. Joined, real tokens are contiguous, so position ids follow from
-the attention mask.
+``response_mask`` [B, R] right-padded, ``response_mask`` being the response's part of the attention mask
+(``roll.data.masks``: the tokens trained on are a separate ``loss_mask``). Joined, attended tokens are
+contiguous, so position ids follow from the attention mask. Outputs are masked by the attention mask;
+callers weigh them with the loss mask.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 
 from roll.algorithms.functional import entropy_from_logits, logprobs_from_logits
 from roll.data.batch import Batch
+from roll.data.masks import last_index
 from roll.data.padding import position_ids_from_mask
 
 
@@ -20,11 +23,12 @@ def _response_outputs(
     """Run ``model`` on prompt + response; returns the per-position outputs [B, L, ...] that *predict* each
     response token (position t-1 for token t), with the response ids and mask cut to that length L.
 
-    Trailing all-padding response columns cost compute and change nothing, so they are dropped; callers
-    pad their results back to the full width with ``_pad_to``."""
+    Response columns after the last attended one cost compute and change nothing, so they are dropped
+    (found by index: a response mask with a hole keeps every column up to its end); callers pad their
+    results back to the full width with ``_pad_to``."""
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
     response_ids, response_mask = batch["response_ids"], batch["response_mask"]
-    length = int(response_mask.sum(dim=1).max().item()) if response_mask.numel() else 0
+    length = int(last_index(response_mask).max().item()) + 1 if response_mask.numel() else 0
     length = max(length, 1)
     response_ids, response_mask = response_ids[:, :length], response_mask[:, :length]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
@@ -47,28 +49,33 @@ def generate(
     model: torch.nn.Module,
     batch: Batch,
     params: SamplingParams,
-    eos_id: int,
+    eos_ids: int | Sequence[int],
     pad_id: int,
     tokenizer=None,
     stopping_criteria: StoppingCriteriaList | None = None,
 ) -> Batch:
     """Sample one response per row of ``batch`` (``prompt_ids``/``prompt_mask`` left-padded).
 
-    Returns a Batch with ``response_ids``/``response_mask`` [B, max_new_tokens] (right-padded, the EOS
-    token included in the mask), ``rollout_logprobs`` [B, max_new_tokens] of the sampled tokens under the
-    sampling temperature, and per-row ``finish_reason`` ("stop" or "length") and, with a tokenizer,
-    ``response_text`` (special tokens removed).
+    A response ends at the first of ``eos_ids`` (the model's end-of-sequence ids, see
+    ``roll.models.loading.end_of_sequence_ids``) or of ``params.stop_token_ids``. Returns a Batch with
+    ``response_ids``/``response_mask`` [B, max_new_tokens] (right-padded, the stop token included in the
+    mask), ``rollout_logprobs`` [B, max_new_tokens] of the sampled tokens under the sampling temperature,
+    and per-row ``finish_reason`` ("stop" or "length") and, with a tokenizer, ``response_text`` (special
+    tokens removed).
 
     ``stopping_criteria`` are added to the EOS and length checks; a row they stop receives ``pad_id``
     from then on (the inference engine uses this to abort single requests).
     """
     device = next(model.parameters()).device
+    stop_ids = list(
+        dict.fromkeys([*([eos_ids] if isinstance(eos_ids, int) else eos_ids), *params.stop_token_ids])
+    )
     prompt_ids, prompt_mask = batch["prompt_ids"].to(device), batch["prompt_mask"].to(device)
     # A fresh GenerationConfig: a model's own defaults (top_k=50, repetition penalty, ...) would silently
     # change the sampling distribution away from the one the trainer's logprobs describe.
     config = GenerationConfig(
         max_new_tokens=params.max_new_tokens,
-        eos_token_id=eos_id,
+        eos_token_id=stop_ids,
         pad_token_id=pad_id,
         do_sample=not params.greedy,
         temperature=None if params.greedy else params.temperature,
@@ -91,8 +98,8 @@ def generate(
     logprobs = recorder.finish(out.sequences[:, -1])
     new_tokens = out.sequences[:, prompt_ids.shape[1] :].cpu()
 
-    is_eos = new_tokens == eos_id
-    # Keep tokens up to and including the first EOS; everything after it is padding.
+    is_eos = torch.isin(new_tokens, torch.tensor(stop_ids))
+    # Keep tokens up to and including the first stop token; everything after it is padding.
     after_eos = (torch.cumsum(is_eos.long(), dim=1) - is_eos.long()) > 0
     response_mask = (~after_eos).long()
     stopped = is_eos.any(dim=1)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from roll.config.rlvr import AlgorithmConfig
 from roll.data.batch import Batch
+from roll.data.masks import loss_mask
 from roll.distributed.collective import CollectiveGroup
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.shm_transfer import Endpoint, SegmentInfo, SharedWeights
@@ -17,12 +17,29 @@ from roll.distributed.worker import register
 from roll.strategies.hf_forward import response_logprobs
 from roll.workers.trainer import OptimizerSpec, TrainerSpec, TrainerWorker
 
-__all__ = ["ActorSpec", "ActorWorker", "OptimizerSpec"]
+__all__ = ["ActorSpec", "ActorWorker", "OptimizerSpec", "PolicyLossSpec"]
+
+
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """What the actor's loss needs of the ``algorithm`` section; fields named as there (``from_section``).
+
+    ``tis_cap`` is resolved by the pipeline: the cap when the off-policy correction is on
+    (``roll.config.rlvr.off_policy_corrected``), None when it is off."""
+
+    policy_loss: str = "ppo_clip"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    tis_cap: float | None = None
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
 
 
 @dataclass
 class ActorSpec(TrainerSpec):
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    policy: PolicyLossSpec = field(default_factory=PolicyLossSpec)
     temperature: float = 1.0
 
 
@@ -41,11 +58,12 @@ class ActorWorker(TrainerWorker):
         Needs ``advantages`` [B, R]; uses ``old_logprobs`` when present, else the current logprobs
         detached (exact when each batch gets a single optimizer step, and saves a forward pass);
         ``ref_logprobs`` when ``kl_coef > 0`` (the KL loss term; the pipeline passes 0 when the KL is in
-        the reward instead); ``rollout_logprobs`` when ``algorithm.tis_cap`` is set.
+        the reward instead); ``rollout_logprobs`` when the off-policy correction is on
+        (``policy.tis_cap``). Every term counts the tokens of ``loss_mask`` (``roll.data.masks``) only.
         """
         spec: ActorSpec = self.config
         loss_fn = functools.partial(self._policy_loss, kl_coef=kl_coef)
-        return self.update(batch, loss_fn, spec.algorithm.loss_agg_mode)
+        return self.update(batch, loss_fn, spec.policy.loss_agg_mode)
 
     def _policy_loss(
         self, micro: Batch, denominator: float, kl_coef: float
@@ -56,32 +74,32 @@ class ActorWorker(TrainerWorker):
         from roll.utils.registry import accepted_kwargs
 
         spec: ActorSpec = self.config
-        algo = spec.algorithm
-        mask = micro["response_mask"].float()
+        policy = spec.policy
+        mask = loss_mask(micro).float()
         logprobs, entropy = response_logprobs(self.model, micro, spec.temperature, with_entropy=True)
         old = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
         advantages = micro["advantages"]
         metrics: dict[str, float] = {}
-        if algo.tis_cap is not None:
-            weights, metrics = truncated_is_weights(old, micro["rollout_logprobs"], mask, algo.tis_cap)
+        if policy.tis_cap is not None:
+            weights, metrics = truncated_is_weights(old, micro["rollout_logprobs"], mask, policy.tis_cap)
             advantages = advantages * weights
-        agg = {"loss_agg_mode": algo.loss_agg_mode, "denominator": denominator}
-        loss_fn = POLICY_LOSSES.get(algo.policy_loss)
+        agg = {"loss_agg_mode": policy.loss_agg_mode, "denominator": denominator}
+        loss_fn = POLICY_LOSSES.get(policy.policy_loss)
         params = {
-            "clip_ratio_low": algo.clip_ratio_low,
-            "clip_ratio_high": algo.clip_ratio_high,
-            "clip_ratio_c": algo.clip_ratio_c,
+            "clip_ratio_low": policy.clip_ratio_low,
+            "clip_ratio_high": policy.clip_ratio_high,
+            "clip_ratio_c": policy.clip_ratio_c,
         }
         loss, loss_metrics = loss_fn(
             logprobs, old, advantages, mask, **agg, **accepted_kwargs(loss_fn, params)
         )
         metrics.update(loss_metrics)
         # Entropy is always reported; it only carries a gradient when it is part of the loss.
-        entropy_term = entropy_loss(entropy if algo.entropy_coef else entropy.detach(), mask, **agg)
-        if algo.entropy_coef:
-            loss = loss - algo.entropy_coef * entropy_term
+        entropy_term = entropy_loss(entropy if policy.entropy_coef else entropy.detach(), mask, **agg)
+        if policy.entropy_coef:
+            loss = loss - policy.entropy_coef * entropy_term
         if kl_coef:
-            kl = kl_penalty_loss(logprobs, micro["ref_logprobs"], mask, estimator=algo.kl_estimator, **agg)
+            kl = kl_penalty_loss(logprobs, micro["ref_logprobs"], mask, estimator=policy.kl_estimator, **agg)
             loss = loss + kl_coef * kl
             metrics["kl"] = kl.item()
         return loss, {**metrics, "entropy": entropy_term.item(), "loss": loss.item()}
@@ -89,12 +107,13 @@ class ActorWorker(TrainerWorker):
     # ---------------------------------------------------------------- SFT
     @register(Dispatch.DP_COMPUTE)
     def sft_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step of token-mean cross-entropy on the response tokens of this rank's shard."""
+        """One optimizer step of token-mean cross-entropy on the trained response tokens (``loss_mask``)
+        of this rank's shard."""
         return self.step_on(batch, self._cross_entropy, "token-mean")
 
     def _cross_entropy(self, micro: Batch, denominator: float) -> tuple[torch.Tensor, dict[str, float]]:
         logprobs, _ = response_logprobs(self.model, micro)
-        loss = -(logprobs * micro["response_mask"]).sum() / denominator
+        loss = -(logprobs * loss_mask(micro)).sum() / denominator
         return loss, {"loss": loss.item()}
 
     # ---------------------------------------------------------------- weights

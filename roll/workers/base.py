@@ -106,6 +106,7 @@ class ModelWorker(Worker):
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         """Sample (or greedily decode) one response per prompt row with the current weights;
         see ``roll.strategies.hf_generate.generate``."""
+        from roll.models.loading import end_of_sequence_ids
         from roll.strategies.hf_generate import generate
 
         was_training = self.model.training
@@ -115,7 +116,7 @@ class ModelWorker(Worker):
                 self.model,
                 batch,
                 params,
-                self.tokenizer.eos_token_id,
+                end_of_sequence_ids(self.tokenizer, self.model),
                 self.tokenizer.pad_token_id,
                 self.tokenizer,
             )

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from roll.data.batch import Batch
+from roll.data.masks import loss_mask
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.worker import register
 from roll.strategies.hf_forward import response_values
@@ -53,7 +54,7 @@ class CriticWorker(TrainerWorker):
             values,
             micro["values"],
             micro["returns"],
-            micro["response_mask"].float(),
+            loss_mask(micro).float(),
             clip_range_value=spec.value_clip,
             loss_agg_mode=VALUE_LOSS_AGGREGATION,
             denominator=denominator,

@@ -88,7 +88,7 @@ class RewardWorker(Worker):
 
     def domain_rewards(self) -> dict[str, DomainRewards]:
         if isinstance(self.config, str):
-            from roll.config.rlvr import DEFAULT_DOMAIN
+            from roll.data.domains import DEFAULT_DOMAIN
 
             single = RewardSpec.single(self.config)
             return {DEFAULT_DOMAIN: DomainRewards(single, single)}

@@ -1,6 +1,6 @@
-"""Rollout worker: one data-parallel inference engine (Hugging Face for now; vLLM/SGLang fit the same
-``InferenceEngine`` contract). Batch generation, single requests with abort, and new weights from the
-trainer over the weight-transfer group."""
+"""Rollout worker: one data-parallel inference engine, chosen by name (``rollout.engine``; Hugging Face
+for now, vLLM/SGLang fit the same ``InferenceEngine`` contract). Batch generation, single requests with
+abort, and new weights from the trainer over the weight-transfer group."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ class RolloutSpec:
     """What a rollout worker needs to start; fields named as in the ``rollout`` config section."""
 
     model: ModelSpec
+    engine: str = "hf"
     max_running_requests: int | None = None
 
 
@@ -47,7 +48,7 @@ class RolloutWorker(ModelWorker):
     def setup(self, **kwargs: object) -> None:
         super().setup(**kwargs)
         capacity = getattr(self.config, "max_running_requests", None)
-        self.engine = INFERENCE_ENGINES.get("hf")(
+        self.engine = INFERENCE_ENGINES.get(getattr(self.config, "engine", "hf"))(
             self.model, self.tokenizer, self.device, max_running_requests=capacity
         )
         with self.engine.weight_update(INITIAL_WEIGHTS_VERSION):  # labels tokens sampled before any sync

@@ -180,10 +180,11 @@ class TrainerWorker(ModelWorker):
         return [trim_prompt_padding(batch.select(rows)) for rows in groups]
 
     def global_denominator(self, batch: Batch, loss_agg_mode: str) -> float:
-        """The aggregation mode's count (tokens, sequences, ...) for ``batch`` summed over every rank."""
+        """The aggregation mode's count (trained tokens, sequences, ...) of ``batch``, summed over ranks."""
         from roll.algorithms.aggregation import aggregation_count
+        from roll.data.masks import loss_mask
 
-        local = float(aggregation_count(loss_agg_mode, batch["response_mask"]))
+        local = float(aggregation_count(loss_agg_mode, loss_mask(batch)))
         if self.world_size == 1:
             return max(local, 1.0)
         total = torch.tensor([local], dtype=torch.float64)

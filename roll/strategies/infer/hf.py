@@ -28,6 +28,7 @@ import torch
 
 from roll.data.batch import Batch
 from roll.data.padding import left_pad, position_ids_from_mask
+from roll.models.loading import end_of_sequence_ids
 from roll.strategies.infer.base import GenerateRequest, GenerateResult, InferenceEngine, NamedTensors
 from roll.strategies.infer.kv_cache import SlotCache
 from roll.strategies.sampling import SamplingParams, sample_tokens
@@ -75,7 +76,9 @@ class HFEngine(InferenceEngine):
     Args:
         model: a causal LM whose forward takes ``past_key_values`` and ``logits_to_keep`` (every
             Hugging Face decoder does); moved to ``device`` and put in eval mode.
-        tokenizer: gives the EOS and pad ids (pad falls back to EOS) and decodes ``response_text``.
+        tokenizer: with the model's generation config, gives the end-of-sequence ids (every one of
+            them ends a response, see ``end_of_sequence_ids``) and the pad id (falling back to the
+            first EOS); decodes ``response_text``.
         device: where the model runs; default: where its parameters are now.
         max_running_requests: most rows decoding at once (None: no limit); further requests queue and
             join as rows finish. Bounds the KV cache.
@@ -88,15 +91,14 @@ class HFEngine(InferenceEngine):
         device: torch.device | str | None = None,
         max_running_requests: int | None = None,
     ) -> None:
-        if tokenizer.eos_token_id is None:
-            raise ValueError("the tokenizer has no eos_token_id; generation could never stop with 'stop'")
         if max_running_requests is not None and max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1 or None, got {max_running_requests}")
         self._device = torch.device(device) if device is not None else next(model.parameters()).device
         self._model = model.to(self._device).eval()
         self._tokenizer = tokenizer
-        self._eos_id: int = tokenizer.eos_token_id
-        self._pad_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self._eos_id
+        eos_ids = end_of_sequence_ids(tokenizer, model)
+        self._eos_ids = frozenset(eos_ids)
+        self._pad_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
         self._capacity = max_running_requests
         # torch's CPU thread count is per calling thread: the serving thread must use the count the
         # constructing thread was given, not one.
@@ -431,9 +433,10 @@ class HFEngine(InferenceEngine):
         self._mask, self._last_tokens = mask[:, first:], self._last_tokens[rows]
 
     def _finish_reason(self, row: _Row, abort: bool) -> str | None:
-        if row.tokens[-1] == self._eos_id:
+        params = row.entry.request.params
+        if row.tokens[-1] in self._eos_ids or row.tokens[-1] in params.stop_token_ids:
             return "stop"
-        if len(row.tokens) >= row.entry.request.params.max_new_tokens:
+        if len(row.tokens) >= params.max_new_tokens:
             return "length"
         return "abort" if abort else None
 
