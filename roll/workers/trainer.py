@@ -96,7 +96,9 @@ class TrainerWorker(ModelWorker):
         if self.world_size > 1:
             from roll.strategies.fsdp import shard_model
 
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            # The step's bookkeeping all-reduces CPU tensors (global denominator, micro-batch count, loss
+            # terms, finite-weights flag): NCCL alone has no CPU backend, so those go over gloo.
+            backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(
                 backend,
                 init_method=f"tcp://{master_addr}:{master_port}",
