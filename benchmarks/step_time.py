@@ -1,8 +1,18 @@
 """Benchmark: one RLVR training step of ROLL against TRL's ``GRPOTrainer``, side by side in one run.
 
 These machines are noisy (other jobs share them), so the two frameworks are only ever compared within
-one run of this script, and their steps alternate: ROLL step 1, TRL step 1, ROLL step 2, ... on the
-same model and data, so a change in the machine's load hits both alike.
+one run of this script, on the same model and data. Two modes (``--mode``):
+
+* ``standalone`` (the default, what a user sees): each framework runs alone, as a user runs ``roll
+  train`` or a TRL script. Blocks of steps alternate, ROLL, TRL, ROLL, TRL, ... (``--blocks``, 3 each
+  by default), and no process of the other framework is alive during a block: a ROLL block starts Ray
+  and its workers and shuts them all down at its end; a TRL block is a child process at the niceness a
+  user's script has (0). The report gives each block's median step, the ratio of the medians of the
+  block medians, and their spread, so a change in the machine's load shows as a spread, not as a ratio.
+* ``interleaved`` (a secondary figure): the steps alternate within one run, ROLL step 1, TRL step 1,
+  ROLL step 2, ..., with both frameworks' processes alive throughout and TRL at the niceness of Ray's
+  workers, so that a change in load hits both alike. This is not how either is used: TRL then shares
+  the machine with ROLL's idle Ray processes.
 
 Workloads (``--workloads``):
 
@@ -35,13 +45,13 @@ of stages do not add up to the median step).
 Run from the repository root (TRL is the optional ``bench`` extra: ``pip install -e ".[bench]"``)::
 
     python benchmarks/step_time.py [--workloads quickstart,quickstart_hybrid,25m] [--steps 60,60,6]
-        [--warmup N] [--no-trl]
+        [--mode standalone|interleaved] [--blocks 3] [--warmup N] [--no-trl]
 
 Without TRL installed (or with ``--no-trl``) only ROLL runs. Ray starts locally unless ``RAY_ADDRESS``
-names a cluster to join. TRL runs in a child process whose trainer waits in a callback until the
-next ROLL step is done (ROLL's workers sit idle meanwhile), at the niceness Ray gives its workers (15,
-``RAY_worker_niceness``; ``--trl-niceness``): on a shared machine other jobs would otherwise take cores
-from ROLL's workers but not from TRL.
+names a cluster to join. TRL runs in a child process whose trainer waits in a callback for the parent's
+go before each step (outside its step timer). In interleaved mode that child runs at the niceness Ray
+gives its workers (15, ``RAY_worker_niceness``; ``--trl-niceness``): on a shared machine other jobs
+would otherwise take cores from ROLL's workers but not from TRL.
 """
 
 from __future__ import annotations
@@ -154,6 +164,33 @@ def load_workload_config(workload: Workload, steps: int, output_dir: Path):
 
     overrides = [*COMMON_OVERRIDES, *workload.overrides, f"steps={steps}", f"output_dir={output_dir}"]
     return load_config(QUICKSTART, overrides)
+
+
+def run_standalone(
+    workload: Workload, steps: int, warmup: int, out: Path, blocks: int, with_trl: bool, niceness: int
+) -> tuple[list[RunResult], list[RunResult], Path]:
+    """``blocks`` blocks of ``steps`` steps per framework, alternating ROLL, TRL, ROLL, ...; nothing of
+    one framework runs during the other's block. Returns the ROLL blocks, the TRL blocks and the model
+    directory (every ROLL block builds the same tiny model from the same seed; TRL loads the first)."""
+    roll_blocks: list[RunResult] = []
+    trl_blocks: list[RunResult] = []
+    model_dir = out / "roll_1" / TINY_MODEL_DIR
+    for block in range(1, blocks + 1):
+        print(f"[{workload.name}] block {block} of {blocks}: {steps} steps of ROLL alone", flush=True)
+        config = load_workload_config(workload, steps, out / f"roll_{block}")
+        roll_blocks.append(run_workload(config, warmup)[0])
+        if not with_trl:
+            continue
+        print(f"[{workload.name}] block {block} of {blocks}: {steps} steps of TRL alone", flush=True)
+        trl = TrlProcess(niceness, config, model_dir, out / f"trl_{block}", warmup)
+        try:
+            trl.start()
+            for _ in range(steps):
+                trl.step()
+            trl_blocks.append(trl.finish())
+        finally:
+            trl.close()
+    return roll_blocks, trl_blocks, model_dir
 
 
 def run_workload(config, warmup: int, trl: TrlProcess | None = None) -> list[RunResult]:
@@ -429,16 +466,81 @@ def ms(seconds: float) -> str:
     return "-" if seconds != seconds else f"{seconds * 1000:.1f}"  # NaN -> "-"
 
 
+def pooled(blocks: list[RunResult]) -> RunResult:
+    """The timed steps of several blocks of one framework as one result (no warm-up left in it)."""
+    first = blocks[0]
+    out = RunResult(first.framework, 0, 0, setup_s=statistics.median(b.setup_s for b in blocks))
+    for block in blocks:
+        timed = slice(block.warmup, None)
+        out.step_s += block.step_s[timed]
+        out.response_length += block.response_length[timed]
+        out.reward += block.reward[timed]
+        out.truncated += block.truncated[timed]
+        for name, values in block.stages.items():
+            out.stages[name] += values[timed]
+    out.steps = len(out.step_s)
+    return out
+
+
+def spread(values: list[float]) -> str:
+    """``min-max`` of block medians in ms, and the range as a share of their median."""
+    middle = statistics.median(values)
+    return (
+        f"{ms(min(values))}-{ms(max(values))} ms ({(max(values) - min(values)) / middle:.0%} of the median)"
+    )
+
+
+def standalone_report(
+    workload: Workload, params: int, roll_blocks: list[RunResult], trl_blocks: list[RunResult]
+) -> str:
+    first = roll_blocks[0]
+    lines = [
+        f"### {workload.name} (standalone: each framework alone): {params / 1e6:.2f}M params, "
+        f"{workload.description}; {len(roll_blocks)} blocks of {first.steps} steps per framework, "
+        f"medians of steps {first.warmup + 1}-{first.steps} in each block",
+        "",
+        "| block | ROLL step ms | TRL step ms | ROLL/TRL |",
+        "| --- | --- | --- | --- |",
+    ]
+    roll_medians = [b.median(b.step_s) for b in roll_blocks]
+    trl_medians = [b.median(b.step_s) for b in trl_blocks]
+    for index, roll in enumerate(roll_medians):
+        trl = trl_medians[index] if index < len(trl_medians) else float("nan")
+        ratio = f"{roll / trl:.2f}" if trl == trl else "-"
+        lines.append(f"| {index + 1} | {ms(roll)} | {ms(trl)} | {ratio} |")
+    roll_mid = statistics.median(roll_medians)
+    summary = f"ROLL median of block medians {ms(roll_mid)} ms, spread {spread(roll_medians)}"
+    if trl_medians:
+        trl_mid = statistics.median(trl_medians)
+        lines.append(f"| median | {ms(roll_mid)} | {ms(trl_mid)} | {roll_mid / trl_mid:.2f} |")
+        summary += f"; TRL {ms(trl_mid)} ms, spread {spread(trl_medians)}"
+        summary += f"\n\nROLL/TRL ratio of medians (standalone): {roll_mid / trl_mid:.2f}"
+    lines += ["", summary, ""]
+    results = [pooled(roll_blocks)] + ([pooled(trl_blocks)] if trl_blocks else [])
+    lines += _stage_and_sample_lines(results, "all timed steps of every block")
+    return "\n".join(lines)
+
+
 def report(workload: Workload, params: int, results: list[RunResult]) -> str:
     first = results[0]
     lines = [
-        f"### {workload.name}: {params / 1e6:.2f}M params, {workload.description}; "
-        f"median of steps {first.warmup + 1}-{first.steps}",
+        f"### {workload.name} (interleaved: both alive, a secondary figure): {params / 1e6:.2f}M params, "
+        f"{workload.description}; median of steps {first.warmup + 1}-{first.steps}",
         "",
     ]
+    lines += _stage_and_sample_lines(results, "")
+    if len(results) == 2:
+        roll, trl = (result.median(result.step_s) for result in results)
+        lines += ["", f"ROLL/TRL median step ratio (interleaved): {roll / trl:.2f}"]
+    return "\n".join(lines)
+
+
+def _stage_and_sample_lines(results: list[RunResult], over: str) -> list[str]:
+    """Stage medians, then step, response length, truncation, reward and setup per framework."""
+    lines = []
     for result in results:
         stages = ", ".join(f"{name} {ms(result.median(v))}" for name, v in result.stages.items())
-        lines.append(f"{result.framework} stages (ms, medians): {stages}")
+        lines.append(f"{result.framework} stages (ms, medians{', ' + over if over else ''}): {stages}")
     lines += [
         "",
         "| framework | step ms | response tokens | truncated | reward | setup s |",
@@ -449,10 +551,7 @@ def report(workload: Workload, params: int, results: list[RunResult]) -> str:
             f"| {r.framework} | {ms(r.median(r.step_s))} | {r.mean(r.response_length):.1f} "
             f"| {r.mean(r.truncated):.1%} | {r.mean(r.reward):.3f} | {r.setup_s:.1f} |"
         )
-    if len(results) == 2:
-        roll, trl = (result.median(result.step_s) for result in results)
-        lines += ["", f"ROLL/TRL median step ratio: {roll / trl:.2f}"]
-    return "\n".join(lines)
+    return lines
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -472,10 +571,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--no-trl", action="store_true", help="run ROLL only")
     parser.add_argument(
+        "--mode",
+        choices=("standalone", "interleaved"),
+        default="standalone",
+        help="standalone: blocks of steps, each framework alone (what a user sees; default); "
+        "interleaved: steps alternate with both alive (a secondary figure)",
+    )
+    parser.add_argument(
+        "--blocks", type=int, default=3, help="standalone: blocks per framework (default %(default)s, >= 3)"
+    )
+    parser.add_argument(
         "--trl-niceness",
         type=int,
-        default=RAY_WORKER_NICENESS,
-        help="niceness of the TRL process (default: that of Ray's workers, %(default)s)",
+        default=None,
+        help="niceness of the TRL process (default: 0 standalone, as a user's script; interleaved: that "
+        f"of Ray's workers, {RAY_WORKER_NICENESS})",
     )
     parser.add_argument(
         "--output-dir", default=None, help="where the runs write (default: a temporary directory, removed)"
@@ -486,6 +596,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [name for name in args.workloads if name not in WORKLOADS]
     if unknown:
         parser.error(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
+    if args.blocks < 3:
+        parser.error("--blocks: at least 3, so that the spread between blocks shows")
+    if args.trl_niceness is None:
+        args.trl_niceness = 0 if args.mode == "standalone" else RAY_WORKER_NICENESS
     if args.steps is None:
         args.steps = [WORKLOADS[name].default_steps for name in args.workloads]
     else:
@@ -512,15 +626,30 @@ def main(argv: list[str] | None = None) -> int:
             warmup = args.warmup if args.warmup is not None else max(1, steps // 6)
             warmup = min(warmup, steps - 1)
             out = root / name
-            config = load_workload_config(workload, steps, out / "roll")
-            model_dir = out / "roll" / TINY_MODEL_DIR
-            trl = TrlProcess(args.trl_niceness, config, model_dir, out / "trl", warmup) if with_trl else None
-            print(f"[{name}] {steps} steps of ROLL" + (" and TRL, alternating" if trl else ""), flush=True)
-            results = run_workload(config, warmup, trl)
-            reports.append(report(workload, count_parameters(model_dir), results))
+            if args.mode == "standalone":
+                roll_blocks, trl_blocks, model_dir = run_standalone(
+                    workload, steps, warmup, out, args.blocks, with_trl, args.trl_niceness
+                )
+                params = count_parameters(model_dir)
+                reports.append(standalone_report(workload, params, roll_blocks, trl_blocks))
+                results = roll_blocks + trl_blocks
+            else:
+                config = load_workload_config(workload, steps, out / "roll")
+                model_dir = out / "roll" / TINY_MODEL_DIR
+                trl = (
+                    TrlProcess(args.trl_niceness, config, model_dir, out / "trl", warmup)
+                    if with_trl
+                    else None
+                )
+                print(
+                    f"[{name}] {steps} steps of ROLL" + (" and TRL, alternating" if trl else ""), flush=True
+                )
+                results = run_workload(config, warmup, trl)
+                reports.append(report(workload, count_parameters(model_dir), results))
             dump[name] = [
                 {
                     "framework": r.framework,
+                    "mode": args.mode,
                     "warmup": r.warmup,
                     "step_s": r.step_s,
                     "stages": dict(r.stages),
