@@ -96,6 +96,7 @@ def token_level_rewards(
         raise ValueError(f"process_rewards has {len(process_rewards)} rows for a batch of {len(scores)}")
     attended = (loss_mask if response_mask is None else response_mask).bool()
     trained = loss_mask.bool()
+    lasts = last_index(trained).tolist()
     delta = shaped.to(torch.float32) - scores.to(torch.float32)
     for row, per_token in enumerate(process_rewards):
         if per_token is None:
@@ -110,9 +111,8 @@ def token_level_rewards(
         targets = _credited_positions(trained[row])[positions]
         kept = targets >= 0  # a row with no trained token has nothing to credit
         rewards[row].index_add_(0, targets[kept], torch.as_tensor(per_token, dtype=torch.float32)[kept])
-        last = int(last_index(trained[row]))
-        if last >= 0:
-            rewards[row, last] += delta[row]
+        if lasts[row] >= 0:
+            rewards[row, lasts[row]] += delta[row]
     return rewards
 
 

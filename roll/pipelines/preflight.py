@@ -89,12 +89,9 @@ def preflight(cfg: Any) -> RunInputs:
     problems += check_tiny_model_dir(cfg.model, cfg.output_dir)
     problems += check_ray_address(cfg.ray)
     problems += check_local_devices(cfg)
-    if problems:
-        raise ConfigError("cannot start the run:\n" + "\n".join(f"  - {p}" for p in problems))
+    _refuse(problems)
     tokenizer = load_run_tokenizer(cfg.model)
-    problems = check_stop_token_ids(cfg, tokenizer)
-    if problems:
-        raise ConfigError("cannot start the run:\n" + "\n".join(f"  - {p}" for p in problems))
+    _refuse(check_stop_token_ids(cfg, tokenizer))
     if getattr(cfg, "domains", None):
         return RunInputs(tokenizer, *load_domains(cfg, tokenizer))
     needs = DATA_NEEDS.get(cfg.pipeline)(cfg)
@@ -108,6 +105,12 @@ def preflight(cfg: Any) -> RunInputs:
                 f"{key}={size}; lower {key} to at most {len(train)} or add rows"
             )
     return RunInputs(tokenizer, train, held_out)
+
+
+def _refuse(problems: list[str]) -> None:
+    """Raise one ConfigError listing ``problems``, if there are any."""
+    if problems:
+        raise ConfigError("cannot start the run:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def load_domains(cfg: Any, tokenizer: Any) -> tuple[PromptSet, PromptSet | None]:
