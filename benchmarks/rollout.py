@@ -304,16 +304,16 @@ class BatchRollout:
 
 
 class FakeEngineBackend(RolloutBackend):
-    """A ``RolloutBackend`` whose generation is simulated in real time; rewards go to the real reward
-    workers (``reward``, a Cluster of RewardWorker).
+    """A ``RolloutBackend`` whose generation is simulated in real time; rewards go to the pipeline's real
+    scorers (``rewards``: its reward workers, or the controller for rewards scored there).
 
     A request sent at time t ends at t + budget x ``token_s`` (its ``max_new_tokens``: every response
     runs to its budget, finish reason "length"), however many run at once, without using a core. An
     abort ends it at once with the tokens made so far. Token k carries the weights version in force
     when it was sampled (``set_version`` records each change)."""
 
-    def __init__(self, reward, pad_id: int, num_workers: int, token_s: float, token_ids: Sequence[int]):
-        self.rewards, self.num_workers = RewardDispatch(reward, pad_id), num_workers
+    def __init__(self, rewards: RewardDispatch, num_workers: int, token_s: float, token_ids: Sequence[int]):
+        self.rewards, self.num_workers = rewards, num_workers
         self.token_s, self.token_ids = token_s, list(token_ids)
         self.logprob = -math.log(len(self.token_ids))
         self.rng = random.Random(0)
@@ -351,7 +351,7 @@ class FakeEngineBackend(RolloutBackend):
     def poll(self, timeout_s: float):
         deadline = time.monotonic() + timeout_s
         while True:
-            events = Events()
+            events = Events(scored=self.rewards.take_ready())
             now = time.monotonic()
             with self._lock:
                 events.generated, self._done = self._done, []
@@ -430,7 +430,6 @@ def run_modes(pipeline, args: argparse.Namespace) -> list[ModeResult]:
     from roll.rollout import RayBackend, RolloutRouter, RolloutScheduler
 
     config, plan = pipeline.config, pipeline.plan
-    pad_id = pipeline.tokenizer.pad_token_id
     sampling = plan.sampling
     rows = pipeline.train_prompts.rows
     by_budget: dict[int, Any] = {}
@@ -459,7 +458,7 @@ def run_modes(pipeline, args: argparse.Namespace) -> list[ModeResult]:
         # first long batch costs it several times what later ones do).
         order = prompt_order(0, seed=config.seed + 1)
         pipeline.scheduler = BatchRollout(
-            RayBackend(router, pipeline.reward, pad_id),
+            RayBackend(router, pipeline.reward_dispatch()),
             pipeline.train_prompts,
             order,
             plan.scheduler,
@@ -477,15 +476,14 @@ def run_modes(pipeline, args: argparse.Namespace) -> list[ModeResult]:
         for mode in args.modes:
             if args.fake:
                 backend = FakeEngineBackend(
-                    pipeline.reward,
-                    pad_id,
+                    pipeline.reward_dispatch(),
                     config.rollout.world_size,
                     args.fake_token_ms / 1000,
                     alphabet_ids,
                 )
                 backend.set_version(step)
             else:
-                backend = RayBackend(router, pipeline.reward, pad_id)
+                backend = RayBackend(router, pipeline.reward_dispatch())
             order = prompt_order(round_ * args.steps)
             common = (backend, pipeline.train_prompts, order)
             if mode == "batch":

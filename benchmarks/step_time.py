@@ -296,38 +296,30 @@ def _trl_child(messages: Any, go: Any, niceness: int, *args: Any) -> None:
         messages.put(("error", traceback.format_exc()))
 
 
-def run_trl(messages: Any, go: Any, config, model_dir: Path, output_dir: Path, warmup: int) -> RunResult:
-    import transformers
+def trl_dataset(config, tokenizer):
+    """The training rows as TRL reads them: prompts rendered as ROLL renders them, answers as text."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-    from trl.extras import profiling
 
     from roll.data.dataset import read_jsonl
     from roll.data.prompts import render_prompt
-    from roll.rewards.match import exact_match
 
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    # ROLL's workers give torch every core of the machine (one worker per role here); do the same.
-    torch.set_num_threads(os.cpu_count() or 1)
-    start = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rows = [row for _, row in read_jsonl(config.data.train_path)]
-    prompt_key = config.data.prompt_key
-    dataset = Dataset.from_list(
+    prompt_key, template = config.data.prompt_key, config.data.apply_chat_template
+    return Dataset.from_list(
         [
-            {
-                "prompt": render_prompt(tokenizer, str(row[prompt_key]), config.data.apply_chat_template),
-                "answer": str(row["answer"]),
-            }
+            {"prompt": render_prompt(tokenizer, str(row[prompt_key]), template), "answer": str(row["answer"])}
             for row in rows
         ]
     )
+
+
+def trl_args(config, output_dir: Path):
+    """``GRPOConfig`` with ROLL's recipe from ``config`` (see the module docstring)."""
+    from trl import GRPOConfig
+
     rollout, actor, algo = config.rollout, config.actor, config.algorithm
     samples = rollout.rollout_batch_size * rollout.num_return_sequences
-    args = GRPOConfig(
+    return GRPOConfig(
         output_dir=str(output_dir),
         seed=config.seed,
         max_steps=config.steps,
@@ -362,6 +354,25 @@ def run_trl(messages: Any, go: Any, config, model_dir: Path, output_dir: Path, w
         log_completions=False,
         dataloader_num_workers=0,
     )
+
+
+def run_trl(messages: Any, go: Any, config, model_dir: Path, output_dir: Path, warmup: int) -> RunResult:
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+    from trl import GRPOTrainer
+    from trl.extras import profiling
+
+    from roll.rewards.match import exact_match
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    # ROLL's workers give torch every core of the machine (one worker per role here); do the same.
+    torch.set_num_threads(os.cpu_count() or 1)
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    dataset = trl_dataset(config, tokenizer)
+    args = trl_args(config, output_dir)
 
     lengths: list[float] = []
     rewards: list[float] = []

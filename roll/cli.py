@@ -128,12 +128,13 @@ def _run(cfg, resume: str | None, overwrite: bool) -> None:
     from roll.distributed.weight_sync import WeightSyncError
     from roll.pipelines import run_pipeline
     from roll.pipelines.recovery import RecoveryExhaustedError
+    from roll.rewards.base import RewardError
 
     try:
         run_pipeline(cfg, inputs, resume=resume, overwrite=overwrite)
     except (ConfigError, DatasetError) as e:
         _fail(e, 2)
-    except (WorkerError, WeightSyncError, CheckpointError, RecoveryExhaustedError) as e:
+    except (WorkerError, WeightSyncError, CheckpointError, RecoveryExhaustedError, RewardError) as e:
         # The remote traceback is the useful part; the driver's own stack adds nothing.
         _fail(e, 1)
 

@@ -18,9 +18,10 @@ from roll.data.domains import DEFAULT_DOMAIN
 from roll.data.mixing import DomainMixer, apportion
 from roll.pipelines.domains import mix_domain_evals, reward_metrics
 from roll.rewards import REWARD_FUNCTIONS, RewardOutput
+from roll.rewards.scoring import DomainRewards, scored_in_controller
 from roll.rewards.spec import RewardSpec, check_spec, domain_specs, score_with
 from roll.rollout.backend import RewardDispatch, ScoreJob, domain_ranks
-from roll.workers.reward import DomainRewards, RewardWorker
+from roll.workers.reward import RewardWorker
 
 SIZES = {"math": 50, "countdown": 30, "code": 7}
 
@@ -202,6 +203,51 @@ def test_each_domains_responses_go_to_its_own_reward_ranks() -> None:
         dispatch.send([ScoreJob("x", "p", "r", {}, [1], "judge")])
 
 
+def test_cheap_pure_rewards_are_scored_in_the_controller_and_others_on_workers() -> None:
+    exact, verify = RewardSpec.single("exact_match"), RewardSpec.single("math_verify")
+    assert scored_in_controller(DomainRewards(exact, exact))
+    assert scored_in_controller(
+        DomainRewards(RewardSpec({"char_match": 1.0, "think_answer_format": 0.5}), exact)
+    )
+    assert not scored_in_controller(DomainRewards(verify, verify))
+    assert not scored_in_controller(DomainRewards(exact, verify))  # held-out rows need a worker
+    assert not scored_in_controller(DomainRewards(RewardSpec({"exact_match": 1.0}, ("regex_match",)), exact))
+
+
+def test_the_controller_scores_its_domains_at_once_and_sends_the_others_to_workers() -> None:
+    exact = RewardSpec.single("exact_match")
+    cluster = FakeRewardCluster(1)
+    dispatch = RewardDispatch(
+        cluster, pad_id=0, ranks={"code": [0]}, inline={"math": DomainRewards(exact, exact)}
+    )
+    jobs = [
+        ScoreJob("m0", "1+2", " 3 ", {"answer": 3}, [1], "math"),
+        ScoreJob("c0", "p", "r", {}, [1], "code"),
+    ]
+    jobs.append(ScoreJob("m1", "1+2", "4", {"answer": 3}, [1], "math"))
+    futures = dispatch.send(jobs)
+    assert len(futures) == 1 and cluster.calls == [(0, ["code"])]  # no call carried a math response
+    assert [(s.request_id, s.score) for s in dispatch.take_ready()] == [("m0", 1.0), ("m1", 0.0)]
+    assert dispatch.take_ready() == []  # handed over once
+    assert [s.request_id for s in dispatch.score(jobs)] == ["m0", "c0", "m1"]  # in the order of the jobs
+    # A run with only controller-scored domains has no reward cluster.
+    alone = RewardDispatch(None, pad_id=0, ranks={}, inline={"math": DomainRewards(exact, exact)})
+    assert [s.score for s in alone.score(jobs[::2], evaluation=True)] == [1.0, 0.0]
+    with pytest.raises(KeyError, match="no reward workers for domain 'code'"):
+        alone.send(jobs[1:2])
+
+
+def test_a_reward_that_fails_in_the_controller_names_its_domain_and_reward() -> None:
+    from roll.rewards.base import RewardError
+
+    numeric = RewardSpec.single("numeric_match")
+    dispatch = RewardDispatch(None, pad_id=0, ranks={}, inline={"math": DomainRewards(numeric, numeric)})
+    with pytest.raises(
+        RewardError, match=r"domain 'math' \(numeric_match\) failed in the controller: ValueError"
+    ):
+        dispatch.send([ScoreJob("m0", "1+2", "3", {"answer": "many"}, [1], "math")])
+
+
 # -------------------------------------------------------------------------------------- metrics
 
 
@@ -251,6 +297,20 @@ def multi_domain_config(tmp_path: Path, **math: object) -> RLVRConfig:
 
 def domain_problems(cfg: RLVRConfig) -> list[str]:
     return [p for p in validate_rlvr(cfg) if "domain" in p or "reward" in p or "data." in p]
+
+
+def test_reward_workers_asked_for_a_domain_the_controller_scores_are_rejected(tmp_path: Path) -> None:
+    workers = multi_domain_config(tmp_path, reward_world_size=2)
+    (problem,) = domain_problems(workers)
+    assert problem.startswith("domains.math.reward_world_size is 2, but this domain's rewards are scored in")
+    on_workers = multi_domain_config(tmp_path, reward_world_size=2)
+    on_workers.domains["math"].reward = "math_verify"
+    assert domain_problems(on_workers) == []
+    single = RLVRConfig()
+    single.reward_world_size = 3
+    assert any(p.startswith("reward_world_size is 3, but") for p in validate_rlvr(single))
+    single.reward = "math_verify"
+    assert not any("reward_world_size" in p for p in validate_rlvr(single))
 
 
 def test_domain_config_problems_are_caught_at_load(tmp_path: Path) -> None:

@@ -18,9 +18,10 @@ from sandbox_required import skip_without_sandbox
 
 from roll.data.batch import Batch
 from roll.distributed.cluster import Cluster
+from roll.rewards.scoring import DomainRewards
 from roll.rewards.spec import RewardSpec
 from roll.sandbox import SandboxUnavailable, resolve_isolation
-from roll.workers.reward import DomainRewards, RewardWorker
+from roll.workers.reward import RewardWorker
 
 SECRET_VAR = "ROLL_TEST_SECRET"
 SQUARE_TESTS = [{"call": f"square({x})", "expected": x * x} for x in (1, 2, 3)]

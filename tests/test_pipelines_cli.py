@@ -79,6 +79,7 @@ def test_rlvr_with_kl_minibatches_and_several_ranks_per_role(repo_root, tmp_path
         "actor.ppo_epochs=2",
         "actor.world_size=2",
         "rollout.world_size=2",
+        "reward=math_verify",  # scored on two reward workers (exact_match is scored in the controller)
         "reward_world_size=2",
         env={"RAY_ADDRESS": ray_address},
     )
@@ -123,27 +124,47 @@ def test_device_mapped_examples_train(example, colocated, repo_root, tmp_path, r
     assert (out / "model" / "config.json").is_file()
 
 
+FAILING_REWARD = """
+from roll.rewards import REWARD_FUNCTIONS
+
+
+@REWARD_FUNCTIONS.register("strict_number")  # not inline: scored on reward workers
+def strict_number(prompt, response, sample):
+    return float(sample["answer"]) - float(sample["answer"])
+"""
+
+
 @pytest.mark.slow
-def test_worker_failure_exits_with_an_error_naming_role_and_rank(repo_root, tmp_path, ray_address):
-    # Rows have an answer, so they load; numeric_match then fails on the worker: the answer is no number.
+@pytest.mark.parametrize("where", ["worker", "controller"])
+def test_a_failing_reward_exits_with_an_error_naming_where_it_failed(repo_root, tmp_path, ray_address, where):
+    # Rows have an answer, so they load; the reward then fails: the answer is no number.
     rows = tmp_path / "words.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"{i}+{i}", "answer": "many"}) + "\n" for i in range(16)))
+    (tmp_path / "failing_reward.py").write_text(FAILING_REWARD)
+    on_workers = ["imports=[failing_reward]", "reward=strict_number"]
+    reward = on_workers if where == "worker" else ["reward=numeric_match"]
     result = roll_train(
         repo_root,
-        "examples/quickstart.yaml",
+        str(repo_root / "examples" / "quickstart.yaml"),
         f"output_dir={tmp_path / 'run'}",
         f"data.train_path={rows}",
         "data.eval_path=null",
         "eval.every_steps=0",
         "sft_warm_start=null",
-        "reward=numeric_match",
+        *reward,
         "steps=2",
         "tracking.backends=[jsonl]",
         env={"RAY_ADDRESS": ray_address},
         returncode=1,
+        cwd=tmp_path,  # where the plugin is imported from
     )
-    assert "error: reward rank 0 failed in compute_rewards()" in result.stderr
-    assert "needs a numeric 'answer'" in result.stderr  # the remote traceback's message reached the user
+    if where == "worker":
+        assert "error: reward rank 0 failed in compute_rewards()" in result.stderr
+        assert "could not convert string to float: 'many'" in result.stderr  # the remote message
+    else:
+        expected = "error: the reward of domain 'default' (numeric_match) failed in the controller"
+        assert expected in result.stderr
+        assert "needs a numeric 'answer'" in result.stderr
 
 
 def test_rows_missing_a_field_the_reward_reads_fail_at_load_naming_file_and_line(repo_root, tmp_path):

@@ -57,15 +57,22 @@ def _worker_env(name: str) -> str | None:
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_workers_let_idle_openmp_threads_sleep() -> None:
-    # Spinning OpenMP threads of the last stage's worker would take the cores from the next stage's.
-    assert ray.get(_worker_env.remote("OMP_WAIT_POLICY"), timeout=30) == "PASSIVE"
+def test_workers_openmp_threads_spin_briefly_before_they_sleep() -> None:
+    # Long spins of the last stage's threads would take the cores from the next stage's worker; no spin
+    # at all makes every parallel region wake its threads through the kernel.
+    from roll.distributed.ray_utils import WORKER_SPIN_COUNT
+
+    assert ray.get(_worker_env.remote("GOMP_SPINCOUNT"), timeout=30) == WORKER_SPIN_COUNT
+    assert ray.get(_worker_env.remote("OMP_WAIT_POLICY"), timeout=30) is None
 
 
 def test_a_user_set_openmp_wait_policy_wins(monkeypatch) -> None:
-    from roll.distributed.ray_utils import worker_runtime_env
+    from roll.distributed.ray_utils import WORKER_SPIN_COUNT, worker_runtime_env
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert worker_runtime_env()["env_vars"]["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert worker_runtime_env()["env_vars"]["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert worker_runtime_env()["env_vars"] == {"GOMP_SPINCOUNT": WORKER_SPIN_COUNT}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert worker_runtime_env()["env_vars"] == {"OMP_WAIT_POLICY": "PASSIVE"}
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    assert worker_runtime_env()["env_vars"] == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}

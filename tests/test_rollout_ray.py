@@ -13,7 +13,7 @@ from roll.data.prompts import PromptSet, render_prompt
 from roll.distributed.cluster import Cluster
 from roll.pipelines.common import prompt_batch
 from roll.rollout import RayBackend, RolloutRouter, RolloutScheduler, SchedulerSpec
-from roll.rollout.backend import ScoreJob
+from roll.rollout.backend import RewardDispatch, ScoreJob
 from roll.strategies.sampling import SamplingParams
 from roll.workers.base import ModelSpec
 from roll.workers.reward import RewardWorker
@@ -47,7 +47,7 @@ def start(tiny_model_path: str, rollout_workers: int, reward: str = "exact_match
 def make_scheduler(rollout, scorer, prompts, tokenizer, backend=None, **spec) -> RolloutScheduler:
     spec = SchedulerSpec(**{"rollout_batch_size": 4, "num_return_sequences": 4, **spec})
     order = PromptIterator(prompts.rows, spec.rollout_batch_size, seed=1)
-    backend = backend or RayBackend(RolloutRouter(rollout), scorer, tokenizer.pad_token_id)
+    backend = backend or RayBackend(RolloutRouter(rollout), RewardDispatch(scorer, tokenizer.pad_token_id))
     return RolloutScheduler(backend, prompts, order, spec, PARAMS, tokenizer)
 
 
@@ -107,7 +107,9 @@ def test_short_samples_are_scored_while_a_long_one_still_generates(tiny_model_pa
     import time
 
     rollout, scorer = start(tiny_model_path, 1)
-    backend = RecordingBackend(RolloutRouter(rollout), scorer, tokenizer.pad_token_id, clock=time.monotonic)
+    backend = RecordingBackend(
+        RolloutRouter(rollout), RewardDispatch(scorer, tokenizer.pad_token_id), clock=time.monotonic
+    )
     first = PromptIterator(prompts.rows, 4, seed=1).next_indices()[0]
     long_row = prompts.rows[first]
     spec = SchedulerSpec(rollout_batch_size=4, num_return_sequences=4)

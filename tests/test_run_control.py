@@ -203,6 +203,7 @@ def test_killed_workers_of_every_role_are_recovered_without_losing_a_step(
     out, steps = tmp_path / "run", 120
     overrides = (*QUICK_RUN[:1], f"steps={steps}", *QUICK_RUN[2:], "checkpoint.every_steps=20")
     overrides += ("algorithm.kl_coef=0.001", "checkpoint.max_restarts=4")  # a reference model to kill
+    overrides += ("reward=math_verify",)  # scored on reward workers (exact_match is scored in the controller)
     run = start_run(repo_root, out, *overrides)
     kills = (("RolloutWorker", 30), ("RewardWorker", 45), ("ReferenceWorker", 60), ("ActorWorker", 85))
     for role, rows in kills:

@@ -269,7 +269,9 @@ class DomainConfig:
     eval_reward: str | None = option(
         None, help="Reward function for eval/<domain>/score; unset scores held-out rows like training."
     )
-    reward_world_size: int = option(1, gt=0, help="Reward workers for this domain.")
+    reward_world_size: int = option(
+        1, gt=0, help="Reward workers for this domain (rewards scored in the controller have none)."
+    )
 
 
 @dataclass
@@ -306,7 +308,12 @@ class RLVRConfig:
         None,
         help="Reward function for eval/score; unset uses `reward` (train on partial credit, eval exact).",
     )
-    reward_world_size: int = option(1, gt=0, help="Reward workers; responses are split across them.")
+    reward_world_size: int = option(
+        1,
+        gt=0,
+        help="Reward workers; responses are split across them (none for rewards the controller scores: "
+        "docs/rewards.md).",
+    )
     eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "Held-out evaluation."})
     checkpoint: CheckpointConfig = field(
         default_factory=CheckpointConfig, metadata={"help": "Checkpoints, resume and automatic recovery."}

@@ -152,6 +152,31 @@ def check_domains(cfg: RLVRConfig) -> list[str]:
 _DOMAIN_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
+def check_reward_workers(cfg: RLVRConfig) -> list[str]:
+    """``reward_world_size`` above 1 for a domain the controller scores itself (no reward workers, see
+    ``roll.rewards.scoring.scored_in_controller``) would be read by nothing."""
+    from roll.config.rlvr import run_domains
+    from roll.rewards.scoring import DomainRewards, scored_in_controller
+    from roll.rewards.spec import domain_specs
+
+    problems = []
+    for name, domain in run_domains(cfg).items():
+        if (domain.reward is None) == (not domain.rewards):
+            continue  # neither or both of reward / rewards: check_domain reports it
+        try:
+            inline = scored_in_controller(DomainRewards(*domain_specs(domain)))
+        except KeyError:
+            continue  # an unknown reward: reported by the reward checks
+        if inline and domain.reward_world_size != 1:
+            key = f"domains.{name}.reward_world_size" if cfg.domains else "reward_world_size"
+            problems.append(
+                f"{key} is {domain.reward_world_size}, but this domain's rewards are scored in the "
+                "controller (pure checks cheaper than a call to a reward worker): it has no reward workers; "
+                "remove the key"
+            )
+    return problems
+
+
 def check_domain(key: str, domain: DomainConfig) -> list[str]:
     problems = check_file(f"{key}.train_path", domain.train_path)
     problems += check_file(f"{key}.eval_path", domain.eval_path)
@@ -391,6 +416,7 @@ def validate_rlvr(cfg: RLVRConfig) -> list[str]:
         problems += check_reward("reward", cfg.reward)
         if cfg.eval_reward is not None:
             problems += check_reward("eval_reward", cfg.eval_reward)
+    problems += check_reward_workers(cfg)
     problems += check_sequence_fits(
         cfg.model, cfg.data.max_prompt_length, max(rollout.max_new_tokens, cfg.eval.max_new_tokens)
     )

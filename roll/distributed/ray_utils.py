@@ -34,9 +34,18 @@ def init_ray(cfg: RayConfig) -> None:
     signals.reinstall()
 
 
+# How long an idle OpenMP thread of a worker spins before it sleeps (libgomp's GOMP_SPINCOUNT, in rounds
+# of a few nanoseconds). The stages of a step run one after another in different worker processes:
+# with libgomp's default (300,000 rounds) the actor's threads were still spinning on both cores when the
+# rollout worker started generating (generate 46 -> 36 ms with no spin). With no spin at all
+# (OMP_WAIT_POLICY=PASSIVE), every parallel region wakes its threads through the kernel, and the
+# quickstart's train step took 43 ms against 27 ms with this short spin, which bridges the gaps inside a
+# forward pass but not those between stages. docs/performance.md has the measurements.
+WORKER_SPIN_COUNT = "10000"
+
+
 def worker_runtime_env() -> dict:
-    """The job's runtime environment: the stages of a step run one after another in different worker
-    processes, and OpenMP threads that spin after a parallel region (its default) take the cores from
-    the next stage's worker. Measured on the 2-core quickstart: generate 46 -> 36 ms, step 113 -> 99 ms.
-    ``import roll`` sets the same default for the controller; a value the user set wins."""
-    return {"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}}
+    """The job's runtime environment: OpenMP's idle threads spin ``WORKER_SPIN_COUNT`` rounds, unless
+    the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``, which then reach every worker as set."""
+    user = {name: os.environ[name] for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if name in os.environ}
+    return {"env_vars": user or {"GOMP_SPINCOUNT": WORKER_SPIN_COUNT}}

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from roll.data.batch import Batch
+from roll.rewards.scoring import response_token_ids
 from roll.rollout.backend import RewardDispatch, ScoreJob
-from roll.workers.reward import response_token_ids
 
 
 def reward_metrics(

@@ -58,6 +58,7 @@ from roll.pipelines.preflight import RunInputs, preflight
 from roll.pipelines.recovery import REPLACEABLE_ROLES, RestartBudget, lost_workers
 from roll.pipelines.run_dir import RunDirectory
 from roll.pipelines.worker_specs import device_roles, plan_workers, updates_per_step
+from roll.rewards.scoring import DomainRewards, scored_in_controller
 from roll.rewards.spec import domain_specs
 from roll.rollout import BatchBackend, RayBackend, RolloutBackend, RolloutRouter, RolloutScheduler
 from roll.rollout.backend import RewardDispatch, domain_ranks
@@ -68,7 +69,7 @@ from roll.workers.actor import ActorWorker
 from roll.workers.base import ModelSpec
 from roll.workers.critic import CriticWorker
 from roll.workers.reference import ReferenceWorker
-from roll.workers.reward import DomainRewards, RewardWorker
+from roll.workers.reward import RewardWorker
 from roll.workers.rollout import RolloutWorker
 
 
@@ -214,7 +215,8 @@ class RLVRPipeline:
         factories: dict[str, Callable[[], Cluster]] = {"actor": self._new_actor}
         if not plan.hybrid_engine:
             factories["rollout"] = self._new_rollout
-        factories["reward"] = self._new_reward
+        if self.reward_ranks:  # rewards cheaper than a Ray call are scored in the controller
+            factories["reward"] = self._new_reward
         if cfg.algorithm.kl_coef > 0:
             factories["reference"] = self._new_reference
         if plan.critic is not None:
@@ -265,8 +267,9 @@ class RLVRPipeline:
         )
 
     def _new_reward(self) -> Cluster:
-        """One reward cluster; each domain has ``reward_world_size`` ranks of it (``domain_ranks``)."""
-        rewards = {name: DomainRewards(*domain_specs(domain)) for name, domain in self.domains.items()}
+        """One reward cluster; each domain scored on workers has ``reward_world_size`` ranks of it
+        (``domain_ranks``)."""
+        rewards = {name: self.domain_rewards[name] for name in self.reward_ranks}
         world_size = sum(len(ranks) for ranks in self.reward_ranks.values())
         return self._cluster("reward", RewardWorker, world_size, rewards)
 
@@ -274,10 +277,24 @@ class RLVRPipeline:
     def domains(self) -> dict[str, DomainConfig]:
         return run_domains(self.config)
 
+    @functools.cached_property
+    def domain_rewards(self) -> dict[str, DomainRewards]:
+        return {name: DomainRewards(*domain_specs(domain)) for name, domain in self.domains.items()}
+
     @property
     def reward_ranks(self) -> dict[str, list[int]]:
-        """Each domain's ranks of the reward cluster."""
-        return domain_ranks({name: domain.reward_world_size for name, domain in self.domains.items()})
+        """The ranks of the reward cluster of each domain scored on reward workers."""
+        sizes = {name: domain.reward_world_size for name, domain in self.domains.items()}
+        return domain_ranks({name: size for name, size in sizes.items() if name not in self.inline_rewards})
+
+    @property
+    def inline_rewards(self) -> dict[str, DomainRewards]:
+        """The domains the controller scores itself (``scored_in_controller``)."""
+        return {name: r for name, r in self.domain_rewards.items() if scored_in_controller(r)}
+
+    def reward_dispatch(self) -> RewardDispatch:
+        pad_id = self.tokenizer.pad_token_id
+        return RewardDispatch(self.reward, pad_id, self.reward_ranks, self.inline_rewards)
 
     def _close_scheduler(self, keeps_rollout: bool) -> None:
         """Close the scheduler. When its rollout workers stay for the next one, its calls still open on
@@ -291,12 +308,10 @@ class RLVRPipeline:
         if self._draining is not None:
             self._draining.drain(DRAIN_S)
             self._draining = None
-        pad_id = self.tokenizer.pad_token_id
-        ranks = self.reward_ranks
         if self.rollout is None:
-            backend: RolloutBackend = BatchBackend(self.actor, self.reward, pad_id, ranks)
+            backend: RolloutBackend = BatchBackend(self.actor, self.reward_dispatch())
         else:
-            backend = RayBackend(RolloutRouter(self.rollout), self.reward, pad_id, ranks)
+            backend = RayBackend(RolloutRouter(self.rollout), self.reward_dispatch())
         plan = self.plan
         # After a recovery the rollout workers may still return requests of the scheduler before.
         prefix = f"s{self._schedulers_made}-" if self._schedulers_made else ""
@@ -662,7 +677,7 @@ class RLVRPipeline:
         applies per domain), and ``eval/score`` their mean weighted by the domains' ratios."""
         assert self.eval_prompts is not None
         self.colocation.use(self.generator_role)
-        rewards = RewardDispatch(self.reward, self.tokenizer.pad_token_id, self.reward_ranks)
+        rewards = self.reward_dispatch()
         per_domain = {}
         for name, prompts in self.eval_prompts.by_domain().items():
             per_domain[name] = evaluate(

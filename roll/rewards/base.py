@@ -9,7 +9,9 @@ A reward function is a pure, fast Python function registered by name in ``REWARD
 It returns either a plain number (the sequence score) or a ``RewardOutput`` that can also carry
 per-token rewards (process rewards) and logging info. Callers go through ``score_response``, which
 validates the result and always returns a ``RewardOutput``. A reward that reads row fields declares them
-with ``@needs_fields("answer")`` so that rows without them fail at load time.
+with ``@needs_fields("answer")`` so that rows without them fail at load time. A reward registered with
+``inline=True`` is a pure check cheaper than a call to a reward worker (``exact_match``): the controller
+scores it itself (``roll.rewards.scoring.scored_in_controller``, docs/rewards.md).
 
 A process reward, which scores the response token by token, also declares a ``response_ids`` parameter
 (``fn(prompt, response, sample, response_ids)``): it then receives the response's token ids, the tokens
@@ -45,6 +47,12 @@ class RewardOutput:
 
 
 RewardFn = Callable[[str, str, dict], "float | RewardOutput"]
+
+
+class RewardError(RuntimeError):
+    """A reward function failed while the controller scored responses (``inline`` rewards); on a
+    reward worker the same failure is a ``WorkerError`` naming the rank."""
+
 
 REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function")
 

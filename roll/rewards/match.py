@@ -30,7 +30,7 @@ def first_number(text: str) -> float | None:
     return float(match.group()) if match else None
 
 
-@REWARD_FUNCTIONS.register("exact_match")
+@REWARD_FUNCTIONS.register("exact_match", inline=True)
 @needs_fields("answer")
 def exact_match(prompt: str, response: str, sample: dict) -> float:
     """1.0 if the response equals ``str(sample["answer"])`` after stripping surrounding whitespace.
@@ -47,7 +47,7 @@ def exact_match(prompt: str, response: str, sample: dict) -> float:
     return 1.0 if response.strip() == str(answer).strip() else 0.0
 
 
-@REWARD_FUNCTIONS.register("numeric_match")
+@REWARD_FUNCTIONS.register("numeric_match", inline=True)
 @needs_fields("answer")
 def numeric_match(prompt: str, response: str, sample: dict) -> float:
     """1.0 if the first number in the response equals ``float(sample["answer"])`` within 1e-6.
@@ -75,7 +75,7 @@ def numeric_match(prompt: str, response: str, sample: dict) -> float:
     return 1.0 if math.isclose(value, answer, rel_tol=0.0, abs_tol=_NUMERIC_TOLERANCE) else 0.0
 
 
-@REWARD_FUNCTIONS.register("char_match")
+@REWARD_FUNCTIONS.register("char_match", inline=True)
 @needs_fields("answer")
 def char_match(prompt: str, response: str, sample: dict) -> float:
     """Partial credit: the share of characters that match the answer position by position, over the

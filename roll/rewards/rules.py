@@ -19,7 +19,7 @@ _THINK_ANSWER = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*
 REGEX_MODES = ("search", "fullmatch")
 
 
-@REWARD_FUNCTIONS.register("think_answer_format")
+@REWARD_FUNCTIONS.register("think_answer_format", inline=True)
 def think_answer_format(prompt: str, response: str, sample: dict) -> float:
     """1.0 when the response is a ``<think>...</think>`` block followed by an ``<answer>...</answer>``
     block and nothing else.

@@ -6,7 +6,8 @@ requests to a rollout worker, abort requests, send finished responses to the rew
 fake backend with controlled latencies in tests (deterministic, no Ray).
 
 - ``RayBackend``: rollout workers serving single requests (``RolloutRouter``), reward workers scoring
-  responses as they arrive, all calls non-blocking and awaited together (``wait_any``).
+  responses as they arrive, all calls non-blocking and awaited together (``wait_any``); rewards cheaper
+  than a Ray call are scored in the controller (``RewardDispatch``).
 - ``BatchBackend``: a cluster that only generates whole batches (the actor with
   ``rollout.hybrid_engine``): the requests sent since the last poll become one batch generation.
 """
@@ -23,6 +24,8 @@ from roll.data.batch import Batch
 from roll.data.domains import DEFAULT_DOMAIN
 from roll.data.padding import left_pad, right_pad
 from roll.distributed.cluster import Cluster, ClusterFuture, wait_any
+from roll.rewards.base import RewardError
+from roll.rewards.scoring import DomainRewards, score_rows
 from roll.rollout.router import RolloutRouter
 from roll.strategies.infer.base import GenerateRequest, GenerateResult
 
@@ -120,18 +123,30 @@ def domain_ranks(world_sizes: dict[str, int]) -> dict[str, list[int]]:
 
 
 class RewardDispatch:
-    """Finished responses to the reward workers, in non-blocking calls: each domain's jobs are spread
+    """Finished responses to their scorers. A domain in ``inline`` (``scored_in_controller``: rewards
+    that cost less than a Ray call) is scored here, in the controller, at ``send``, and its scores wait
+    in ``take_ready``. Every other domain's jobs go to the reward workers in non-blocking calls, spread
     over that domain's ranks (``ranks``; None: every rank scores every domain), those with the fewest
     responses outstanding first. ``calls`` are the calls in flight; ``take`` turns one that is ready
     into scores."""
 
-    def __init__(self, reward: Cluster, pad_id: int, ranks: dict[str, list[int]] | None = None):
+    def __init__(
+        self,
+        reward: Cluster | None,
+        pad_id: int,
+        ranks: dict[str, list[int]] | None = None,
+        inline: dict[str, DomainRewards] | None = None,
+    ):
         self.reward, self.pad_id = reward, pad_id
         self.ranks = ranks
+        self.inline = inline or {}
         self.calls: dict[ClusterFuture, tuple[int, list[ScoreJob]]] = {}  # future -> (rank, jobs)
-        self._load = [0] * reward.world_size
+        self._load = [0] * (reward.world_size if reward is not None else 0)
+        self._ready: list[Scored] = []
 
     def ranks_of(self, domain: str) -> list[int]:
+        if self.reward is None:
+            raise KeyError(f"no reward workers for domain '{domain}' (the run scores only in the controller)")
         if self.ranks is None:
             return list(range(self.reward.world_size))
         if domain not in self.ranks:
@@ -139,10 +154,13 @@ class RewardDispatch:
         return self.ranks[domain]
 
     def send(self, jobs: Sequence[ScoreJob], **kwargs: object) -> list[ClusterFuture]:
-        """Start scoring ``jobs``; ``kwargs`` go to ``compute_rewards`` (e.g. ``evaluation=True``)."""
+        """Start scoring ``jobs``; ``kwargs`` go to ``score_rows`` (e.g. ``evaluation=True``)."""
         futures = []
         for domain in dict.fromkeys(job.domain for job in jobs):
             same = [job for job in jobs if job.domain == domain]
+            if domain in self.inline:
+                self._ready += self._score_here(domain, same, kwargs)
+                continue
             ranks = self.ranks_of(domain)
             shares = min(len(same), len(ranks))
             for part in range(shares):
@@ -156,14 +174,31 @@ class RewardDispatch:
                 futures.append(future)
         return futures
 
+    def _score_here(self, domain: str, jobs: list[ScoreJob], kwargs: dict) -> list[Scored]:
+        try:
+            return scored_from(jobs, score_rows(self.inline, score_batch(jobs, self.pad_id), **kwargs))
+        except Exception as e:
+            rewards = self.inline[domain].eval if kwargs.get("evaluation") else self.inline[domain].train
+            raise RewardError(
+                f"the reward of domain '{domain}' ({', '.join(rewards.names())}) failed in the controller: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+
     def take(self, future: ClusterFuture) -> list[Scored]:
         rank, jobs = self.calls.pop(future)
         self._load[rank] -= len(jobs)
         return scored_from(jobs, future.get())
 
+    def take_ready(self) -> list[Scored]:
+        """The scores made in the controller since the last call."""
+        ready, self._ready = self._ready, []
+        return ready
+
     def score(self, jobs: Sequence[ScoreJob], **kwargs: object) -> list[Scored]:
         """Score ``jobs`` and wait for them; results in the order of ``jobs``."""
-        by_id = {s.request_id: s for f in self.send(jobs, **kwargs) for s in self.take(f)}
+        futures = self.send(jobs, **kwargs)
+        by_id = {s.request_id: s for s in self.take_ready()}
+        by_id.update({s.request_id: s for f in futures for s in self.take(f)})
         return [by_id[job.request_id] for job in jobs]
 
 
@@ -172,12 +207,10 @@ class RayBackend(RolloutBackend):
     calls of their own. Every call is non-blocking and ``poll`` waits on all of them at once, so a reward
     is computed while the rest of the batch still generates."""
 
-    def __init__(
-        self, router: RolloutRouter, reward: Cluster, pad_id: int, ranks: dict[str, list[int]] | None = None
-    ):
+    def __init__(self, router: RolloutRouter, rewards: RewardDispatch):
         self.router = router
         self.num_workers = router.num_workers
-        self.rewards = RewardDispatch(reward, pad_id, ranks)
+        self.rewards = rewards
 
     def submit(self, worker: int, requests: Sequence[GenerateRequest]) -> None:
         self.router.send(worker, requests)
@@ -193,8 +226,9 @@ class RayBackend(RolloutBackend):
 
     def poll(self, timeout_s: float) -> Events:
         futures = [*self.router.outstanding(), *self.rewards.calls]
-        events = Events()
-        for future in wait_any(futures, timeout_s):
+        events = Events(scored=self.rewards.take_ready())
+        # With scores in hand already, only take what else has arrived; do not wait.
+        for future in wait_any(futures, 0.0 if events.scored else timeout_s):
             if future in self.rewards.calls:
                 events.scored += self.rewards.take(future)
             else:
@@ -210,11 +244,9 @@ class BatchBackend(RolloutBackend):
 
     num_workers = 1
 
-    def __init__(
-        self, generator: Cluster, reward: Cluster, pad_id: int, ranks: dict[str, list[int]] | None = None
-    ):
-        self.generator, self.pad_id = generator, pad_id
-        self.rewards = RewardDispatch(reward, pad_id, ranks)
+    def __init__(self, generator: Cluster, rewards: RewardDispatch):
+        self.generator, self.pad_id = generator, rewards.pad_id
+        self.rewards = rewards
         self._requests: list[GenerateRequest] = []
         self._aborted: list[GenerateResult] = []
         self._jobs: list[ScoreJob] = []

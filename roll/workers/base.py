@@ -107,18 +107,20 @@ class ModelWorker(Worker):
         """Sample (or greedily decode) one response per prompt row with the current weights;
         see ``roll.strategies.hf_generate.generate``."""
         from roll.models.loading import end_of_sequence_ids
+        from roll.strategies.cpu_threads import threads_for_decoding
         from roll.strategies.hf_generate import generate
 
         was_training = self.model.training
         self.model.eval()
         try:
-            return generate(
-                self.model,
-                batch,
-                params,
-                end_of_sequence_ids(self.tokenizer, self.model),
-                self.tokenizer.pad_token_id,
-                self.tokenizer,
-            )
+            with threads_for_decoding(self.model, self.device):
+                return generate(
+                    self.model,
+                    batch,
+                    params,
+                    end_of_sequence_ids(self.tokenizer, self.model),
+                    self.tokenizer.pad_token_id,
+                    self.tokenizer,
+                )
         finally:
             self.model.train(was_training)

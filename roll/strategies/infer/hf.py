@@ -29,6 +29,7 @@ import torch
 from roll.data.batch import Batch
 from roll.data.padding import left_pad, position_ids_from_mask
 from roll.models.loading import end_of_sequence_ids
+from roll.strategies.cpu_threads import decode_threads
 from roll.strategies.infer.base import GenerateRequest, GenerateResult, InferenceEngine, NamedTensors
 from roll.strategies.infer.kv_cache import SlotCache
 from roll.strategies.sampling import SamplingParams, sample_tokens
@@ -105,9 +106,9 @@ class HFEngine(InferenceEngine):
         self._eos_ids = frozenset(eos_ids)
         self._pad_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
         self._capacity = max_running_requests
-        # torch's CPU thread count is per calling thread: the serving thread must use the count the
-        # constructing thread was given, not one.
-        self._num_threads = torch.get_num_threads()
+        # torch's CPU thread count is per calling thread: the serving thread takes the count the
+        # constructing thread was given (one for a narrow model on the CPU: roll.strategies.cpu_threads).
+        self._num_threads = decode_threads(model, self._device, torch.get_num_threads())
         # Lock order: _model_lock before _state_lock, never the reverse. _model_lock is held for every
         # use of the model (one decode step, weight copies, device moves), so weights change only
         # between steps; _state_lock guards the request book-keeping and is only held briefly.

@@ -1,0 +1,93 @@
+"""Agents that play a ``TextEnv`` without a model: a random one, a scripted FrozenLake expert (optionally
+noisy, the warm start's teacher), and ``play``, which runs one episode. They test an env alone and
+measure the baselines an RL run must beat."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from roll.envs.base import TextEnv
+from roll.envs.frozen_lake import ACTIONS, shortest_path
+
+
+class Agent(Protocol):
+    def act(self, observation: str) -> str: ...
+
+
+class RandomAgent:
+    """Picks one of ``actions`` uniformly at random (seeded)."""
+
+    def __init__(self, actions: Sequence[str], seed: int = 0):
+        self.actions, self.rng = list(actions), random.Random(seed)
+
+    def act(self, observation: str) -> str:
+        return self.rng.choice(self.actions)
+
+
+class ConstantAgent:
+    """Always the same action: the baseline a policy that collapsed onto one action would score."""
+
+    def __init__(self, action: str):
+        self.action = action
+
+    def act(self, observation: str) -> str:
+        return self.action
+
+
+class FrozenLakeExpert:
+    """The first step of a shortest path to the goal, read from the grid; with probability ``noise`` a
+    random letter instead (a noisy expert to imitate, which RL should then beat)."""
+
+    def __init__(self, noise: float = 0.0, seed: int = 0):
+        if not 0.0 <= noise <= 1.0:
+            raise ValueError(f"noise must be in [0, 1], got {noise}")
+        self.noise, self.rng = noise, random.Random(seed)
+
+    def act(self, observation: str) -> str:
+        path = shortest_path(observation)
+        if self.rng.random() < self.noise or not path:
+            return self.rng.choice(ACTIONS)
+        return path[0]
+
+
+@dataclass
+class Episode:
+    """One played episode: what the agent saw and did, and how it ended."""
+
+    seed: int
+    observations: list[str] = field(default_factory=list)  # the first one, then one per turn
+    actions: list[str] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    valid: list[bool] = field(default_factory=list)
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    stop_reason: str = ""  # "env_done" (terminated or truncated) or "max_turns"
+
+    @property
+    def episode_return(self) -> float:
+        return sum(self.rewards)
+
+    @property
+    def success(self) -> bool:
+        return any(m.get("success", 0.0) > 0 for m in self.metrics)
+
+
+def play(env: TextEnv, agent: Agent, seed: int, max_turns: int) -> Episode:
+    """Run one episode of ``env`` from ``seed`` with ``agent`` for at most ``max_turns`` turns."""
+    observation, _ = env.reset(seed)
+    episode = Episode(seed, [observation])
+    for _ in range(max_turns):
+        action = agent.act(observation)
+        observation, reward, terminated, truncated, info = env.step(action)
+        episode.observations.append(observation)
+        episode.actions.append(action)
+        episode.rewards.append(reward)
+        episode.valid.append(bool(info["action_is_valid"]))
+        episode.metrics.append(dict(info.get("metrics", {})))
+        if terminated or truncated:
+            episode.stop_reason = "env_done"
+            return episode
+    episode.stop_reason = "max_turns"
+    return episode

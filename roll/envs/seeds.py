@@ -1,0 +1,30 @@
+"""Training and held-out seeds kept apart by task, not only by number.
+
+The held-out seeds are ``0 .. held_out - 1``. Training seeds count up from ``held_out`` and skip every
+seed whose task (``TextEnv.layout``) is one of the held-out tasks: a 4x4 FrozenLake has few enough
+maps that distinct seeds repeat maps, and a held-out map seen in training would measure memory, not
+generalisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from roll.envs.base import TextEnv
+
+
+def held_out_seeds(count: int) -> list[int]:
+    return list(range(count))
+
+
+def training_seeds(env: TextEnv, held_out: int, start: int = 0) -> Iterator[int]:
+    """Training seeds in order, from the ``start``-th one (resumable): ``held_out`` upwards, without the
+    seeds whose layout is a held-out seed's."""
+    excluded = {env.layout(seed) for seed in held_out_seeds(held_out)} - {None}
+    seed, index = held_out, 0
+    while True:
+        if not excluded or env.layout(seed) not in excluded:
+            if index >= start:
+                yield seed
+            index += 1
+        seed += 1
