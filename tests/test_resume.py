@@ -119,15 +119,15 @@ def test_a_standby_rollout_worker_takes_over_a_lost_one(
     overrides += ["steps=3", "checkpoint.standby_workers=true", "tracking.backends=[jsonl]"]
     pipeline = RLVRPipeline(load_config("examples/quickstart.yaml", overrides))
     try:
-        standby = pipeline._standby["rollout"]
+        standby = pipeline.role_set.standbys["rollout"]
         # exact_match is scored in the controller: the run has no reward workers to keep a standby of
-        assert set(pipeline._standby) == {"actor", "rollout"}
+        assert set(pipeline.role_set.standbys) == {"actor", "rollout"}
         (live,) = pipeline.rollout.ping()
         os.kill(live["pid"], signal.SIGKILL)
         with caplog.at_level(logging.WARNING):
             pipeline._train()
         assert pipeline.rollout is standby and pipeline.budget.restarts == 1
-        assert pipeline._standby["rollout"] is not standby  # a new one waits for the next loss
+        assert pipeline.role_set.standbys["rollout"] is not standby  # a new one waits for the next loss
         assert "replaced the rollout workers" in caplog.text and "(standby processes)" in caplog.text
     finally:
         pipeline.shutdown()

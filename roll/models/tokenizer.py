@@ -6,7 +6,7 @@ predictable ids and a few-thousand-parameter model can learn them on a CPU in se
 
 from __future__ import annotations
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 PAD_TOKEN = "<|pad|>"
@@ -89,4 +89,45 @@ def build_char_tokenizer(
         clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+# ChatML, as Qwen2 and many others write it: each turn ends with <|im_end|> and a newline, so a
+# tokenizer built with it has text after the token that ends an assistant turn (the case a character
+# template without a tail hides).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+
+def build_bpe_tokenizer(corpus: list[str], vocab_size: int = 300) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained locally on ``corpus``, with ChatML special tokens and template.
+
+    Merge-prone on purpose: frequent pairs of the corpus (``"\\n_"``, ``"__"``, ``"P_"``) become single
+    tokens, so text decoded and encoded again can come back as different ids. Tests of
+    token-in-token-out code use it; a character tokenizer hides those bugs. ``<|im_end|>`` is EOS."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<|endoftext|>",
+        eos_token=IM_END,
+        additional_special_tokens=[IM_START],
+        padding_side="left",
+        model_max_length=DEFAULT_MODEL_MAX_LENGTH,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer

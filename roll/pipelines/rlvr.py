@@ -9,11 +9,10 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from roll import checkpoint
 from roll.algorithms.functional import masked_mean
 from roll.algorithms.kl import adaptive_kl_coef
 from roll.config.devices import resolve_world_sizes
@@ -34,14 +33,8 @@ from roll.distributed.ray_utils import init_ray
 from roll.distributed.weight_sync import WeightSync, WeightSyncError
 from roll.pipelines.common import (
     StageTimer,
-    begin_run,
-    checkpoint_due,
     evaluate,
-    is_eval_step,
-    load_run_checkpoint,
-    open_tracker,
     prepare_model,
-    save_run_checkpoint,
     setup_trainer,
     write_resolved_config,
 )
@@ -55,15 +48,16 @@ from roll.pipelines.credit import (
 )
 from roll.pipelines.domains import mix_domain_evals, reward_metrics, score_held_out
 from roll.pipelines.preflight import RunInputs, preflight
-from roll.pipelines.recovery import REPLACEABLE_ROLES, RestartBudget, lost_workers
+from roll.pipelines.recovery import RestartBudget, lost_workers
+from roll.pipelines.roles import Role, RoleSet
 from roll.pipelines.run_dir import RunDirectory
+from roll.pipelines.run_loop import RunLoop
 from roll.pipelines.worker_specs import device_roles, plan_workers, updates_per_step
 from roll.rewards.scoring import DomainRewards, scored_in_controller
 from roll.rewards.spec import domain_specs
 from roll.rollout import BatchBackend, RayBackend, RolloutBackend, RolloutRouter, RolloutScheduler
 from roll.rollout.backend import RewardDispatch, domain_ranks
 from roll.tracking import Tracker
-from roll.utils import signals
 from roll.utils.signals import set_activity
 from roll.workers.actor import ActorWorker
 from roll.workers.base import ModelSpec
@@ -73,7 +67,9 @@ from roll.workers.reward import RewardWorker
 from roll.workers.rollout import RolloutWorker
 
 
-class RLVRPipeline:
+class RLVRPipeline(RunLoop):
+    restartable = (WorkerError, WeightSyncError)
+
     def __init__(
         self,
         config: RLVRConfig,
@@ -91,7 +87,7 @@ class RLVRPipeline:
             raise ConfigError("\n".join(problems))
         self.config = config
         self.device_table: DeviceTable | None = None
-        self.actor = self.critic = self.rollout = self.reward = self.reference = None
+        self.role_set: RoleSet | None = None  # the live clusters (and standbys) of the run's roles
         self.scheduler: RolloutScheduler | None = None
         self.weight_sync: WeightSync | None = None
         self.run_dir: RunDirectory | None = None
@@ -101,7 +97,6 @@ class RLVRPipeline:
         self.weights_version = 0  # the last weights version sent to the rollout workers (0: initial)
         self._schedulers_made = 0
         self._draining: RolloutBackend | None = None  # a closed scheduler's backend, see _close_scheduler
-        self._standby: dict[str, Cluster] = {}  # idle clusters for recoveries, see _fill_standby
         try:
             self.run_dir = RunDirectory(config.output_dir, resume, overwrite)
             # Ray and the devices of a joined cluster come before anything is written: an impossible
@@ -114,7 +109,7 @@ class RLVRPipeline:
                 resumed = self.run_dir.resume_from is not None
                 self.model_path = self._warm_started_model() if resumed else self._warm_start(inputs)
             self._start_clusters(self.placements)
-            self._fill_standby()
+            self.role_set.fill_standby()
         except BaseException:
             self.shutdown()  # whatever started before the failure (or a stop signal) is released
             raise
@@ -165,28 +160,24 @@ class RLVRPipeline:
             algo.kl_coef > 0 and algo.kl_penalty == "reward"
         )
         self.kl_coef = algo.kl_coef  # moves each step when algorithm.kl_target is set
+        roles = self._declare_roles()
+        if self.role_set is None:
+            self.role_set = RoleSet(roles, self._make, standby=cfg.checkpoint.standby_workers)
+        self.role_set.roles = roles
         # Roles already running (workers that outlived a lost trainer) are kept.
-        started = set()
-        for role in self._factories():
-            if getattr(self, role) is None:
-                setattr(self, role, self._take(role))
-                started.add(role)
+        started = self.role_set.start()
         if "rollout" in started:
             self.weights_version = 0  # new rollout workers hold the initial weights
         self.generator, self.generator_role = (
             (self.actor, "actor") if plan.hybrid_engine else (self.rollout, "rollout")
         )
-        clusters = {name: c for name, c in self._clusters().items() if name != "reward"}
-        self.colocation = Colocation(clusters, colocation_groups(self.roles.values()))
-        # Reward workers load nothing: they need no setup.
-        setups = {
-            name: functools.partial(c.setup, blocking=False)
-            for name, c in clusters.items()
-            if name in started
-        }
-        for trainer in TRAINERS:
-            if trainer in started:
-                setups[trainer] = functools.partial(setup_trainer, clusters[trainer], blocking=False)
+        clusters = {name: c for name, c in self.clusters().items() if roles[name].loads_model}
+        self.colocation = Colocation(clusters, colocation_groups(self.role_devices.values()))
+        setups = {}
+        for name in started & set(clusters):
+            cluster = clusters[name]
+            setup = functools.partial(setup_trainer, cluster) if roles[name].trainer else cluster.setup
+            setups[name] = functools.partial(setup, blocking=False)
         self.colocation.start(setups)
         self.scheduler = self._new_scheduler()
         if self.rollout is not None:
@@ -201,77 +192,43 @@ class RLVRPipeline:
         ratios = {name: domain.ratio for name, domain in cfg.domains.items()}
         return DomainMixer(sizes, ratios, cfg.rollout.rollout_batch_size, seed=cfg.seed)
 
-    def _cluster(self, *args: object, **kwargs: object) -> Cluster:
-        cfg = self.config
-        liveness = Liveness.from_config(cfg.ray)
-        return Cluster(
-            *args, timeout_s=cfg.ray.call_timeout_s, plugins=cfg.imports, liveness=liveness, **kwargs
-        )
-
-    def _factories(self) -> dict[str, Callable[[], Cluster]]:
-        """How to start each role this run has (the actor generates itself with the hybrid engine; a
-        reference only with a KL term; a critic only when configured)."""
+    def _declare_roles(self) -> dict[str, Role]:
+        """The run's roles: the actor; rollout workers unless the actor generates (hybrid engine); reward
+        workers for the domains the controller does not score; a reference only with a KL term (the
+        initial policy, on the actor's devices); a critic only when configured."""
         cfg, plan = self.config, self.plan
-        factories: dict[str, Callable[[], Cluster]] = {"actor": self._new_actor}
-        if not plan.hybrid_engine:
-            factories["rollout"] = self._new_rollout
-        if self.reward_ranks:  # rewards cheaper than a Ray call are scored in the controller
-            factories["reward"] = self._new_reward
-        if cfg.algorithm.kl_coef > 0:
-            factories["reference"] = self._new_reference
+        roles = {"actor": Role("actor", ActorWorker, cfg.actor.world_size, plan.actor, trainer=True)}
         if plan.critic is not None:
-            factories["critic"] = self._new_critic
-        return factories
+            roles["critic"] = Role("critic", CriticWorker, cfg.critic.world_size, plan.critic, trainer=True)
+        if not plan.hybrid_engine:
+            roles["rollout"] = Role(
+                "rollout", RolloutWorker, cfg.rollout.world_size, plan.rollout, replaceable=True
+            )
+        if self.reward_ranks:  # rewards cheaper than a Ray call are scored in the controller
+            rewards = {name: self.domain_rewards[name] for name in self.reward_ranks}
+            size = sum(len(ranks) for ranks in self.reward_ranks.values())
+            roles["reward"] = Role("reward", RewardWorker, size, rewards, replaceable=True, loads_model=False)
+        if cfg.algorithm.kl_coef > 0:
+            holder = _Holder(plan.actor.model)
+            roles["reference"] = Role(
+                "reference", ReferenceWorker, cfg.actor.world_size, holder, replaceable=True
+            )
+        return roles
 
-    def _take(self, role: str) -> Cluster:
-        """A new cluster of ``role``: its standby (``checkpoint.standby_workers``) if one is waiting."""
-        standby = self._standby.pop(role, None)
-        return standby if standby is not None else self._factories()[role]()
-
-    def _fill_standby(self) -> None:
-        """With ``checkpoint.standby_workers``, one started, idle cluster per role, warming up (imports)
-        in the background, for the next recovery to take."""
-        if not self.config.checkpoint.standby_workers:
-            return
-        for role, factory in self._factories().items():
-            if role not in self._standby:
-                self._standby[role] = factory()
-                self._standby[role].warm_up(blocking=False)
-
-    def _new_actor(self) -> Cluster:
+    def _make(self, role: Role) -> Cluster:
+        """A started cluster of ``role``, its ranks placed on the role's devices."""
         cfg = self.config
-        placements = self.placements("actor")
-        return self._cluster(
-            "actor", ActorWorker, cfg.actor.world_size, self.plan.actor, placements=placements
+        placements = self.placements(role.name) if role.name in self.role_devices else None
+        return Cluster(
+            role.name,
+            role.worker,
+            role.world_size,
+            role.spec,
+            timeout_s=cfg.ray.call_timeout_s,
+            plugins=cfg.imports,
+            liveness=Liveness.from_config(cfg.ray),
+            placements=placements,
         )
-
-    def _new_critic(self) -> Cluster:
-        cfg = self.config
-        placements = self.placements("critic")
-        return self._cluster(
-            "critic", CriticWorker, cfg.critic.world_size, self.plan.critic, placements=placements
-        )
-
-    def _new_rollout(self) -> Cluster:
-        placements = self.placements("rollout")
-        return self._cluster(
-            "rollout", RolloutWorker, self.config.rollout.world_size, self.plan.rollout, placements=placements
-        )
-
-    def _new_reference(self) -> Cluster:
-        # The reference model is the initial policy and lives on the actor's devices.
-        placements = self.placements("reference")
-        holder = _Holder(self.plan.actor.model)
-        return self._cluster(
-            "reference", ReferenceWorker, self.config.actor.world_size, holder, placements=placements
-        )
-
-    def _new_reward(self) -> Cluster:
-        """One reward cluster; each domain scored on workers has ``reward_world_size`` ranks of it
-        (``domain_ranks``)."""
-        rewards = {name: self.domain_rewards[name] for name in self.reward_ranks}
-        world_size = sum(len(ranks) for ranks in self.reward_ranks.values())
-        return self._cluster("reward", RewardWorker, world_size, rewards)
 
     @property
     def domains(self) -> dict[str, DomainConfig]:
@@ -334,7 +291,7 @@ class RLVRPipeline:
             self.rollout,
             bucket_bytes=self.plan.weight_bucket_bytes,
             timeout_s=self.config.ray.call_timeout_s,
-            colocated=is_colocated(self.roles["actor"], self.roles["rollout"]),
+            colocated=is_colocated(self.role_devices["actor"], self.role_devices["rollout"]),
         )
         sync.connect()
         return sync
@@ -344,108 +301,69 @@ class RLVRPipeline:
         cluster's devices pins every rank to its devices. Impossible mappings fail here, before any model
         loads."""
         cfg = self.config
-        self.roles = {role.role: role for role in device_roles(cfg)}
+        self.role_devices = {role.role: role for role in device_roles(cfg)}
         if cfg.algorithm.kl_coef > 0:  # the reference model lives on the actor's devices
-            self.roles["reference"] = dataclasses.replace(self.roles["actor"], role="reference")
-        if not any(role.device_mapping is not None for role in self.roles.values()):
+            self.role_devices["reference"] = dataclasses.replace(self.role_devices["actor"], role="reference")
+        if not any(role.device_mapping is not None for role in self.role_devices.values()):
             return lambda role: None
         self.device_table = DeviceTable.create(timeout_s=cfg.ray.call_timeout_s)
-        problems = validate_plan(list(self.roles.values()), self.device_table.num_devices)
+        problems = validate_plan(list(self.role_devices.values()), self.device_table.num_devices)
         if problems:
             self.device_table.remove()
             raise ConfigError("invalid device mapping:\n" + "\n".join(f"  - {p}" for p in problems))
-        return lambda role: place_role(self.roles[role], self.device_table)
+        return lambda role: place_role(self.role_devices[role], self.device_table)
 
-    def run(self) -> dict[str, float]:
-        """Train for ``config.steps`` steps; returns the final metrics (eval before/after included)."""
-        try:
-            return self._train()
-        finally:
-            # Actors would die with the driver anyway; releasing them now frees a joined cluster.
-            self.shutdown()
+    @property
+    def total_steps(self) -> int:
+        return self.config.steps
 
-    def _train(self) -> dict[str, float]:
+    def on_start(self, tracker: Tracker) -> None:
+        note = off_policy_note(self.config)
+        if note is not None:
+            tracker.print(note)
+
+    def finish(
+        self, tracker: Tracker, results: dict[str, float], metrics: dict[str, float]
+    ) -> dict[str, float]:
+        """Save the final model (and critic); returns the final metrics (eval before/after included)."""
         cfg = self.config
-        with open_tracker(cfg, cfg.steps) as tracker:
-            note = off_policy_note(cfg)
-            if note is not None:
-                tracker.print(note)
-            last, results = begin_run(
-                tracker,
-                self.run_dir.resume_from,
-                self._restore,
-                self._evaluate_before if self.eval_prompts is not None else None,
+        results.update(metrics)
+        if self.eval_prompts is not None and "eval/score" in metrics:
+            results["eval/score_after"] = metrics["eval/score"]
+            tracker.print(
+                f"eval/score before RL {results.get('eval/score_before', float('nan')):.3f} -> after RL "
+                f"{results['eval/score_after']:.3f}"
             )
-            metrics: dict[str, float] = {}
-            step = last + 1
-            while step <= cfg.steps:
-                set_activity(f"RL step {step} of {cfg.steps}")
-                try:
-                    # A stop signal lets the step finish when a checkpoint can then save it.
-                    with signals.deferred(cfg.checkpoint.every_steps > 0):
-                        metrics = self._step_and_evaluate(step, tracker, results)
-                    metrics["recovery/restarts"] = self.budget.restarts
-                    tracker.log(step, metrics)
-                    if checkpoint_due(cfg.checkpoint, step, cfg.steps):
-                        self.save_checkpoint(step, results, tracker)
-                except (WorkerError, WeightSyncError) as error:
-                    step = self._restart(error, tracker, results) + 1
-                    continue
-                signals.raise_if_received()
-                step += 1
-            results.update(metrics)
-            if self.eval_prompts is not None and "eval/score" in metrics:
-                results["eval/score_after"] = metrics["eval/score"]
-                tracker.print(
-                    f"eval/score before RL {results.get('eval/score_before', float('nan')):.3f} -> after RL "
-                    f"{results['eval/score_after']:.3f}"
-                )
-            set_activity("saving the final model")
-            final = self.actor.save_pretrained(str(Path(cfg.output_dir) / "model"))
-            tracker.print(f"final model saved to {final}")
-            if self.critic is not None:
-                self.critic.save_pretrained(str(Path(cfg.output_dir) / "critic"))
+        set_activity("saving the final model")
+        final = self.actor.save_pretrained(str(Path(cfg.output_dir) / "model"))
+        tracker.print(f"final model saved to {final}")
+        if self.critic is not None:
+            self.critic.save_pretrained(str(Path(cfg.output_dir) / "critic"))
         return results
 
-    def _evaluate_before(self) -> dict[str, float]:
-        set_activity("the evaluation before RL")
+    def evaluate_guarded(self) -> dict[str, float]:
         return self._replacing(self.evaluate)
 
-    def _step_and_evaluate(self, step: int, tracker: Tracker, results: dict[str, float]) -> dict[str, float]:
-        metrics = self.step(step)
-        if self.eval_prompts is not None and is_eval_step(self.config.eval, step, self.config.steps):
-            set_activity(f"the evaluation after RL step {step} of {self.config.steps}")
-            metrics.update(self._replacing(self.evaluate))
-            self._warn_on_collapse(tracker, metrics["eval/score"], results)
-        return metrics
+    def after_evaluate(self, tracker: Tracker, metrics: dict[str, float], results: dict[str, float]) -> None:
+        self._warn_on_collapse(tracker, metrics["eval/score"], results)
 
     # ---------------------------------------------------------------- checkpoints and recovery
-    def save_checkpoint(self, step: int, results: dict[str, float], tracker: Tracker) -> Path:
-        """The full state after ``step``: trainers' weights, optimizers, LR schedules and RNGs, every
-        other worker's RNG, the scheduler's state and the driver's."""
-
-        def driver_state() -> dict[str, object]:
-            # First, so that a worker lost here is replaced before the scheduler's state is read.
-            worker_rng = self._replacing(
-                lambda: {role: c.rng_state() for role, c in self._clusters().items() if role not in TRAINERS}
-            )
-            return {
-                "results": dict(results),
-                "kl_coef": self.kl_coef,
-                "scheduler": self.scheduler.state_dict(),
-                "worker_rng": worker_rng,
+    def driver_state(self) -> dict[str, object]:
+        """Beside the trainers' state: every other worker's RNG, the scheduler's state, the KL coef."""
+        # First, so that a worker lost here is replaced before the scheduler's state is read.
+        worker_rng = self._replacing(
+            lambda: {
+                role: c.rng_state() for role, c in self.clusters().items() if role not in self.trainers()
             }
+        )
+        return {"kl_coef": self.kl_coef, "scheduler": self.scheduler.state_dict(), "worker_rng": worker_rng}
 
-        return save_run_checkpoint(self.config, step, self._trainers(), driver_state, tracker)
+    def trainers(self) -> dict[str, Cluster]:
+        return self.role_set.trainers()
 
-    def _trainers(self) -> dict[str, Cluster]:
-        return {role: c for role, c in self._clusters().items() if role in TRAINERS}
-
-    def _restore(self, path: Path, results: dict[str, float]) -> int:
-        """Load the checkpoint at ``path`` into the workers; returns its step."""
-        state = load_run_checkpoint(path, self._trainers())
+    def load_driver_state(self, state: dict[str, Any]) -> None:
         step = state["step"]
-        clusters = self._clusters()
+        clusters = self.clusters()
         for role, states in state["worker_rng"].items():
             if role in clusters:
                 clusters[role].set_rng_state(states)
@@ -459,9 +377,6 @@ class RLVRPipeline:
                 self._sync_weights(version)
             self.weights_version = version
         self.scheduler.set_weights_version(self.weights_version)
-        results.clear()
-        results.update(state["results"])
-        return step
 
     def _publish_weights(self) -> dict[str, object] | None:
         """The trainer's weights to the rollout workers as the next version (one per step in a run that
@@ -476,15 +391,20 @@ class RLVRPipeline:
         self.colocation.use("actor", "rollout")
         return self.weight_sync.sync(version=version)
 
-    def _clusters(self) -> dict[str, Cluster]:
-        named = {
-            "actor": self.actor,
-            "critic": self.critic,
-            "rollout": self.rollout,
-            "reward": self.reward,
-            "reference": self.reference,
-        }
-        return {role: c for role, c in named.items() if c is not None}
+    def clusters(self) -> dict[str, Cluster]:
+        """The live clusters, in the order the roles are declared."""
+        if self.role_set is None:
+            return {}
+        return {name: self.role_set.live[name] for name in self.role_set.roles if name in self.role_set.live}
+
+    actor = property(lambda self: self._live("actor"))
+    critic = property(lambda self: self._live("critic"))
+    rollout = property(lambda self: self._live("rollout"))
+    reward = property(lambda self: self._live("reward"))
+    reference = property(lambda self: self._live("reference"))
+
+    def _live(self, role: str) -> Cluster | None:
+        return self.role_set.get(role) if self.role_set is not None else None
 
     def _replacing(self, call: Callable[[], T]) -> T:
         """``call()``; when it fails because rollout, reward or reference workers were lost, they are
@@ -494,8 +414,8 @@ class RLVRPipeline:
             try:
                 return call()
             except (WorkerError, WeightSyncError) as error:
-                lost = lost_workers(error, self._clusters())
-                if not lost or not set(lost) <= REPLACEABLE_ROLES:
+                lost = lost_workers(error, self.clusters())
+                if not lost or not set(lost) <= self.role_set.replaceable():
                     raise
                 self.budget.spend(error, lost, f"replacing {' and '.join(sorted(lost))} workers")
                 self._replace(set(lost))
@@ -507,10 +427,9 @@ class RLVRPipeline:
         set_activity(f"replacing lost {' and '.join(sorted(roles))} workers")
         start = time.perf_counter()
         if "reference" in roles:
-            self.reference.kill()
-            self.reference = self._take("reference")
-            self.reference.setup()
-            self.colocation.clusters["reference"] = self.reference
+            reference = self.role_set.replace("reference")
+            reference.setup()
+            self.colocation.clusters["reference"] = reference
         standby = self.config.checkpoint.standby_workers
         if roles & {"rollout", "reward"}:
             self._replace_rollout_side(roles)
@@ -520,22 +439,20 @@ class RLVRPipeline:
             time.perf_counter() - start,
             " (standby processes)" if standby else "",
         )
-        self._fill_standby()
+        self.role_set.fill_standby()
 
     def _replace_rollout_side(self, roles: set[str]) -> None:
         state = self.scheduler.state_dict()
         self._close_scheduler(keeps_rollout="rollout" not in roles)
         if "reward" in roles:
-            self.reward.kill()
-            self.reward = self._take("reward")
+            self.role_set.replace("reward")
         if "rollout" in roles:
             if self.weight_sync is not None:
                 self.weight_sync.close()
-            self.rollout.kill()
             version = self.weights_version
-            self.rollout = self.generator = self._take("rollout")
-            self.rollout.setup()
-            self.colocation.clusters["rollout"] = self.rollout
+            self.generator = self.role_set.replace("rollout")
+            self.generator.setup()
+            self.colocation.clusters["rollout"] = self.generator
             self.weight_sync = self._connect_weight_sync()
             if version > 0:  # the trained weights, under the version the lost workers held
                 self._sync_weights(version)
@@ -543,36 +460,19 @@ class RLVRPipeline:
         self.scheduler = self._new_scheduler()
         self.scheduler.load_state_dict(state)
 
-    def _restart(self, error: BaseException, tracker: Tracker, results: dict[str, float]) -> int:
-        """The trainers (and any lost worker) started again from the last valid checkpoint: a lost actor
-        or critic, or a loss found outside the calls ``_replacing`` guards; returns the step the run goes
-        on after."""
-        lost = lost_workers(error, self._clusters())
-        root = checkpoint.checkpoints_root(self.config.output_dir)
-        last = checkpoint.latest_valid(root)
-        self.budget.spend(error, lost, f"restarting every worker from {last or 'the first step'}")
-        tracker.print(f"WARNING: {self.budget.events[-1]}")
+    def restart_workers(self, lost: dict[str, list[int]]) -> str:
+        """Every worker started again, but rollout, reward and reference workers that still answer: they
+        hold nothing of the lost history that a weight sync and a new scheduler do not replace, and
+        keeping them saves their start-up."""
         start = time.perf_counter()
-        # Rollout, reward and reference workers that still answer hold nothing of the lost history that
-        # a weight sync and a new scheduler do not replace: keeping them saves their start-up.
-        self._stop_workers(keep=REPLACEABLE_ROLES - set(lost))
+        self._stop_workers(keep=self.role_set.replaceable() - set(lost))
         stopped = time.perf_counter()
         self._start_clusters(self.placements)
-        started = time.perf_counter()
-        if last is not None:
-            step = self._restore(last, results)
-        else:  # nothing saved yet: the run starts over, keeping the evaluation before RL
-            step = 0
-            for key in [k for k in results if k != "eval/score_before"]:
-                del results[key]
-        tracker.rewind(step)
-        self._fill_standby()
-        tracker.print(
-            f"restarted after step {step} in {time.perf_counter() - start:.1f} s (stopping the workers "
-            f"{stopped - start:.1f} s, starting them {started - stopped:.1f} s, loading the checkpoint "
-            f"{time.perf_counter() - started:.1f} s)"
-        )
-        return step
+        starting = time.perf_counter() - stopped
+        return f"stopping the workers {stopped - start:.1f} s, starting them {starting:.1f} s"
+
+    def after_restart(self) -> None:
+        self.role_set.fill_standby()
 
     def step(self, step: int) -> dict[str, float]:
         cfg, algo = self.config, self.config.algorithm
@@ -709,9 +609,8 @@ class RLVRPipeline:
 
     def shutdown(self) -> None:
         self._stop_workers()
-        for standby in self._standby.values():
-            standby.kill()
-        self._standby.clear()
+        if self.role_set is not None:
+            self.role_set.shutdown()
         if self.device_table is not None:
             self.device_table.remove()  # frees the devices for the next job on a shared cluster
             self.device_table = None
@@ -725,14 +624,11 @@ class RLVRPipeline:
         if self.weight_sync is not None:
             self.weight_sync.close()
             self.weight_sync = None
-        for role, cluster in self._clusters().items():
-            if role not in keep:
-                cluster.kill()
-                setattr(self, role, None)
+        if self.role_set is not None:
+            self.role_set.stop(keep)
 
 
 logger = logging.getLogger(__name__)
-TRAINERS = ("actor", "critic")
 # How long a closing scheduler waits for its open calls on rollout workers that a new one takes over
 # (a collect_finished returns within the router's 1 s wait).
 DRAIN_S = 5.0

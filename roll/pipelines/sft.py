@@ -7,41 +7,34 @@ from pathlib import Path
 
 import torch
 
-from roll import checkpoint
 from roll.config.sft import SFTConfig
 from roll.data.batch import Batch
 from roll.data.dataset import PromptIterator
-from roll.distributed.cluster import Cluster, WorkerError
+from roll.distributed.cluster import Cluster
 from roll.distributed.liveness import Liveness
 from roll.distributed.ray_utils import init_ray
 from roll.pipelines.common import (
-    begin_run,
-    checkpoint_due,
     evaluate,
-    is_eval_step,
-    load_run_checkpoint,
-    open_tracker,
     prepare_model,
     prompt_batch,
     response_tensors,
-    save_run_checkpoint,
     setup_trainer,
     write_resolved_config,
 )
 from roll.pipelines.preflight import RunInputs, preflight
-from roll.pipelines.recovery import RestartBudget, lost_workers
+from roll.pipelines.recovery import RestartBudget
 from roll.pipelines.run_dir import RunDirectory
+from roll.pipelines.run_loop import RunLoop
 from roll.pipelines.worker_specs import from_section
 from roll.rewards import score_response
 from roll.strategies.sampling import SamplingParams
 from roll.tracking import Tracker
-from roll.utils import signals
 from roll.utils.signals import set_activity
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
 from roll.workers.base import ModelSpec
 
 
-class SFTPipeline:
+class SFTPipeline(RunLoop):
     def __init__(
         self,
         config: SFTConfig,
@@ -93,13 +86,9 @@ class SFTPipeline:
         )
         setup_trainer(self.actor)
 
-    def run(self) -> str:
-        """Train, evaluate, save; returns the path of the fine-tuned model (Hugging Face format)."""
-        try:
-            return self._train()
-        finally:
-            # Actors would die with the driver anyway; releasing them now frees a joined cluster.
-            self.shutdown()
+    @property
+    def total_steps(self) -> int:
+        return self.config.train.steps
 
     def shutdown(self) -> None:
         if self.actor is not None:
@@ -107,71 +96,42 @@ class SFTPipeline:
             self.actor = None
         self.run_dir.release()
 
-    def _train(self) -> str:
-        cfg = self.config
-        with open_tracker(cfg, cfg.train.steps) as tracker:
-            evaluate_before = self.evaluate if self.eval_prompts is not None else None
-            last, results = begin_run(tracker, self.run_dir.resume_from, self._restore, evaluate_before)
-            metrics: dict[str, float] = {}
-            step = last + 1
-            while step <= cfg.train.steps:
-                set_activity(f"{self.name} step {step} of {cfg.train.steps}")
-                try:
-                    with signals.deferred(cfg.checkpoint.every_steps > 0):
-                        metrics = self.step(step)
-                    metrics["recovery/restarts"] = self.budget.restarts
-                    tracker.log(step, metrics)
-                    if checkpoint_due(cfg.checkpoint, step, cfg.train.steps):
-                        self.save_checkpoint(step, results, tracker)
-                except WorkerError as error:
-                    step = self._restart(error, tracker, results) + 1
-                    continue
-                signals.raise_if_received()
-                step += 1
-            if "eval/score" in metrics and "eval/score_before" in results:
-                tracker.print(
-                    f"SFT eval/score {results['eval/score_before']:.3f} -> {metrics['eval/score']:.3f}"
-                )
-            path = self.actor.save_pretrained(str(Path(cfg.output_dir) / "model"))
-            tracker.print(f"SFT model saved to {path}")
-        return path
-
     def step(self, step: int) -> dict[str, float]:
-        cfg = self.config
         start = time.perf_counter()
         metrics = {
             f"sft/{k}": v for k, v in self.actor.sft_step(self.batch(self.order.next_indices())).items()
         }
         metrics["time/step_s"] = time.perf_counter() - start
-        if self.eval_prompts is not None and is_eval_step(cfg.eval, step, cfg.train.steps):
-            metrics.update(self.evaluate())
         return metrics
 
-    def save_checkpoint(self, step: int, results: dict[str, float], tracker: Tracker) -> Path:
-        """Weights, optimizer, LR schedule and RNG of every rank, and the data order."""
-        driver_state = {"results": dict(results), "data_order": self.order.state_dict()}
-        return save_run_checkpoint(self.config, step, {"actor": self.actor}, lambda: driver_state, tracker)
+    def finish(self, tracker: Tracker, results: dict[str, float], metrics: dict[str, float]) -> str:
+        """Save the fine-tuned model; returns its path (Hugging Face format)."""
+        if "eval/score" in metrics and "eval/score_before" in results:
+            tracker.print(f"SFT eval/score {results['eval/score_before']:.3f} -> {metrics['eval/score']:.3f}")
+        path = self.actor.save_pretrained(str(Path(self.config.output_dir) / "model"))
+        tracker.print(f"SFT model saved to {path}")
+        return path
 
-    def _restore(self, path: Path, results: dict[str, float]) -> int:
-        state = load_run_checkpoint(path, {"actor": self.actor})
+    def clusters(self) -> dict[str, Cluster]:
+        return {"actor": self.actor} if self.actor is not None else {}
+
+    def trainers(self) -> dict[str, Cluster]:
+        return {"actor": self.actor}
+
+    def driver_state(self) -> dict[str, object]:
+        return {"data_order": self.order.state_dict()}
+
+    def load_driver_state(self, state: dict) -> None:
         self.order.load_state_dict(state["data_order"])
-        results.clear()
-        results.update(state["results"])
-        return state["step"]
 
-    def _restart(self, error: WorkerError, tracker: Tracker, results: dict[str, float]) -> int:
-        """The trainer started again from the last valid checkpoint (or the first step)."""
-        lost = lost_workers(error, {"actor": self.actor})
-        last = checkpoint.latest_valid(checkpoint.checkpoints_root(self.config.output_dir))
-        self.budget.spend(error, lost, f"restarting the trainer from {last or 'the first step'}")
-        tracker.print(f"WARNING: {self.budget.events[-1]}")
+    def restart_action(self, last: Path | None) -> str:
+        return f"restarting the trainer from {last or 'the first step'}"
+
+    def restart_workers(self, lost: dict[str, list[int]]) -> str:
+        start = time.perf_counter()
         self.actor.kill()
         self._start_actor()
-        step = self._restore(last, results) if last is not None else 0
-        if last is None:
-            results.pop("eval/score", None)
-        tracker.rewind(step)
-        return step
+        return f"starting the trainer {time.perf_counter() - start:.1f} s"
 
     def batch(self, indices: list[int]) -> Batch:
         batch = prompt_batch(self.train_rows, indices, self.tokenizer.pad_token_id)
