@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import itertools
 
+import gymnasium
 import pytest
 
 from roll.envs import ENVIRONMENTS, check_env, make_env
 from roll.envs.agents import ConstantAgent, FrozenLakeExpert, RandomAgent, play
 from roll.envs.frozen_lake import ACTIONS, FrozenLake, shortest_path
+from roll.envs.gym_adapter import GymnasiumTextEnv
 from roll.envs.seeds import held_out_seeds, training_seeds
 
 
@@ -105,7 +107,14 @@ def test_any_discrete_gymnasium_env_through_the_generic_adapter() -> None:
     assert env.step("jump")[4]["action_is_valid"] is False
     with pytest.raises(ValueError, match="has 4 actions, but 2 names were given"):
         make_env("gymnasium", {"env_id": "CliffWalking-v1", "actions": ["up", "down"]})
-    continuous = make_env("gymnasium", {"env_id": "MountainCarContinuous-v0", "actions": ["push"]})
+    with pytest.raises(ValueError, match="CartPole-v1 does not render as text"):
+        make_env("gymnasium", {"env_id": "CartPole-v1", "actions": ["left", "right"]})
+    continuous = GymnasiumTextEnv(
+        make=lambda seed: gymnasium.make("MountainCarContinuous-v0"),
+        render=lambda env, observation: str(observation),
+        parse_action=lambda text: 0,
+        action_help="",
+    )
     with pytest.raises(TypeError, match="discrete actions"):
         continuous.reset(0)
 

@@ -125,6 +125,12 @@ class GymnasiumEnv(GymnasiumTextEnv):
         import gymnasium
 
         _check_gymnasium_options(env_id, actions)
+        modes = _render_modes(env_id)
+        if "ansi" not in modes:
+            raise ValueError(
+                f"environment 'gymnasium': {env_id} does not render as text (its render modes: "
+                f"{', '.join(modes) or 'none'}); subclass GymnasiumTextEnv with a renderer of your own"
+            )
         env = gymnasium.make(env_id, render_mode="ansi", **(make_kwargs or {}))
         if isinstance(env.action_space, gymnasium.spaces.Discrete) and env.action_space.n != len(actions):
             raise ValueError(
@@ -138,3 +144,18 @@ class GymnasiumEnv(GymnasiumTextEnv):
             action_help=f"Answer with one of: {', '.join(actions)}.",
             invalid_action_reward=invalid_action_reward,
         )
+
+
+def _render_modes(env_id: str) -> list[str]:
+    """The render modes an env declares (its class's ``metadata``), without building it."""
+    import gymnasium
+
+    entry = gymnasium.spec(env_id).entry_point
+    if callable(entry):
+        cls = entry
+    else:
+        import importlib
+
+        module, name = entry.split(":")
+        cls = getattr(importlib.import_module(module), name)
+    return list(getattr(cls, "metadata", {}).get("render_modes", []))

@@ -16,9 +16,6 @@ from roll.distributed.weight_sync import WeightSyncError
 
 logger = logging.getLogger(__name__)
 
-# No training state: replaced in place, and the step that lost them runs on (no rollback).
-REPLACEABLE_ROLES = frozenset({"rollout", "reward", "reference"})
-
 
 def lost_workers(error: BaseException, clusters: Mapping[str, Cluster]) -> dict[str, list[int]]:
     """``role -> ranks`` lost, found by probing every cluster after ``error``; empty when ``error`` is
