@@ -271,17 +271,23 @@ class TrlProcess:
             self.child.join()
 
     def _receive(self, kind: str) -> Any:
-        while True:
-            try:
-                got, payload = self.messages.get(timeout=5)
-                break
-            except queue.Empty:
-                if not self.child.is_alive():
-                    raise RuntimeError(f"the TRL process exited with code {self.child.exitcode}") from None
-        if got == "error":
-            raise RuntimeError(f"the TRL run failed:\n{payload}")
+        got, payload = receive(self.messages, self.child)
         assert got == kind, (got, kind)
         return payload
+
+
+def receive(messages: Any, child: Any) -> tuple[str, Any]:
+    """The next ``(kind, payload)`` a TRL child process sent; raises if it failed or exited."""
+    while True:
+        try:
+            kind, payload = messages.get(timeout=5)
+            break
+        except queue.Empty:
+            if not child.is_alive():
+                raise RuntimeError(f"the TRL process exited with code {child.exitcode}") from None
+    if kind == "error":
+        raise RuntimeError(f"the TRL run failed:\n{payload}")
+    return kind, payload
 
 
 def _trl_child(messages: Any, go: Any, niceness: int, *args: Any) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import queue
 import shutil
 import sys
 import tempfile
@@ -41,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_time import QUICKSTART, machine_note, trl_args, trl_available, trl_dataset  # noqa: E402
+from step_time import QUICKSTART, machine_note, receive, trl_args, trl_available, trl_dataset  # noqa: E402
 
 
 @dataclass
@@ -220,19 +219,11 @@ def run_trl_alone(*args: Any) -> Curve:
     child.start()
     try:
         while True:
-            try:
-                kind, payload = messages.get(timeout=5)
-            except queue.Empty:
-                if not child.is_alive():
-                    raise RuntimeError(f"the TRL process exited with code {child.exitcode}") from None
-                continue
-            if kind == "progress":
-                step, seconds, score = payload
-                print(f"  TRL step {step}: {seconds:.1f} s, held-out {score:.3f}", flush=True)
-            elif kind == "error":
-                raise RuntimeError(f"the TRL run failed:\n{payload}")
-            else:
+            kind, payload = receive(messages, child)
+            if kind != "progress":
                 return payload
+            step, seconds, score = payload
+            print(f"  TRL step {step}: {seconds:.1f} s, held-out {score:.3f}", flush=True)
     finally:
         if child.is_alive():
             child.terminate()

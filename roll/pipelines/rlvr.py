@@ -238,13 +238,13 @@ class RLVRPipeline(RunLoop):
     def domain_rewards(self) -> dict[str, DomainRewards]:
         return {name: DomainRewards(*domain_specs(domain)) for name, domain in self.domains.items()}
 
-    @property
+    @functools.cached_property
     def reward_ranks(self) -> dict[str, list[int]]:
         """The ranks of the reward cluster of each domain scored on reward workers."""
         sizes = {name: domain.reward_world_size for name, domain in self.domains.items()}
         return domain_ranks({name: size for name, size in sizes.items() if name not in self.inline_rewards})
 
-    @property
+    @functools.cached_property
     def inline_rewards(self) -> dict[str, DomainRewards]:
         """The domains the controller scores itself (``scored_in_controller``)."""
         return {name: r for name, r in self.domain_rewards.items() if scored_in_controller(r)}
@@ -353,7 +353,9 @@ class RLVRPipeline(RunLoop):
         # First, so that a worker lost here is replaced before the scheduler's state is read.
         worker_rng = self._replacing(
             lambda: {
-                role: c.rng_state() for role, c in self.clusters().items() if role not in self.trainers()
+                role: c.rng_state()
+                for role, c in self.clusters().items()
+                if not self.role_set.roles[role].trainer
             }
         )
         return {"kl_coef": self.kl_coef, "scheduler": self.scheduler.state_dict(), "worker_rng": worker_rng}

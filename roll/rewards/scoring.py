@@ -19,6 +19,9 @@ class DomainRewards:
     train: RewardSpec
     eval: RewardSpec
 
+    def spec(self, evaluation: bool) -> RewardSpec:
+        return self.eval if evaluation else self.train
+
 
 def response_token_ids(batch: Batch) -> list[list[int]] | list[None]:
     """Per row, the response's token ids without padding (``response_ids[i][response_mask[i]]``), or
@@ -55,10 +58,7 @@ def score_rows(
     # Rows of one domain are scored together: a batched reward (a judge model) sees them at once.
     for name in dict.fromkeys(names):
         rows = [i for i, n in enumerate(names) if n == name]
-        if function is not None:
-            spec = RewardSpec.single(function)
-        else:
-            spec = domains[name].eval if evaluation else domains[name].train
+        spec = RewardSpec.single(function) if function is not None else domains[name].spec(evaluation)
         scored = score_all(
             spec,
             [batch["prompt_text"][i] for i in rows],

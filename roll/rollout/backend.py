@@ -178,9 +178,9 @@ class RewardDispatch:
         try:
             return scored_from(jobs, score_rows(self.inline, score_batch(jobs, self.pad_id), **kwargs))
         except Exception as e:
-            rewards = self.inline[domain].eval if kwargs.get("evaluation") else self.inline[domain].train
+            names = self.inline[domain].spec(bool(kwargs.get("evaluation"))).names()
             raise RewardError(
-                f"the reward of domain '{domain}' ({', '.join(rewards.names())}) failed in the controller: "
+                f"the reward of domain '{domain}' ({', '.join(names)}) failed in the controller: "
                 f"{type(e).__name__}: {e}"
             ) from e
 
