@@ -74,7 +74,7 @@ def train(
         False, "--overwrite", help="Start again in an output_dir that holds a run, deleting that run."
     ),
 ) -> None:
-    """Run the pipeline a config names (rlvr, sft)."""
+    """Run the pipeline a config names (rlvr, sft, agentic)."""
     _train(_load(config, overrides or []), resume, overwrite)
 
 

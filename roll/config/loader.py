@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from roll.config.agentic import AgenticConfig
 from roll.config.devices import parse_mapping_strings
 from roll.config.fields import field_docs
 from roll.config.rlvr import RLVRConfig
@@ -23,11 +24,12 @@ from roll.config.sft import SFTConfig
 from roll.utils.plugins import import_plugins
 from roll.utils.registry import Registry, did_you_mean
 
-PipelineConfig = RLVRConfig | SFTConfig
+PipelineConfig = RLVRConfig | SFTConfig | AgenticConfig
 
 PIPELINE_CONFIGS: Registry[type] = Registry("pipeline")
 PIPELINE_CONFIGS.register("rlvr")(RLVRConfig)
 PIPELINE_CONFIGS.register("sft")(SFTConfig)
+PIPELINE_CONFIGS.register("agentic")(AgenticConfig)
 
 # Cross-field checks per config class; each returns a list of problems (empty when fine).
 VALIDATORS: dict[type, Callable[[Any], list[str]]] = {}
@@ -163,10 +165,11 @@ def _lookup(docs: dict[str, str], key: str, default: str) -> str:
 
 
 def _register_validators() -> None:
-    from roll.config.validation import validate_rlvr, validate_sft
+    from roll.config.validation import validate_agentic, validate_rlvr, validate_sft
 
     VALIDATORS[RLVRConfig] = validate_rlvr
     VALIDATORS[SFTConfig] = validate_sft
+    VALIDATORS[AgenticConfig] = validate_agentic
 
 
 _register_validators()

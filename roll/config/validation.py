@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from roll.config.agentic import DEFAULT_STOP_POLICY, STOP_POLICIES, AgenticConfig
 from roll.config.common import EvalConfig, ModelConfig, TrackingConfig
 from roll.config.fields import out_of_bounds
 from roll.config.rlvr import ActorConfig, DomainConfig, RLVRConfig, RolloutConfig, off_policy_corrected
@@ -423,3 +424,110 @@ def validate_rlvr(cfg: RLVRConfig) -> list[str]:
     if cfg.sft_warm_start is not None:
         problems += check_sft_train(cfg.sft_warm_start, "sft_warm_start")
     return problems
+
+
+def validate_agentic(cfg: AgenticConfig) -> list[str]:
+    """The RL sections as RLVR checks them, the environment and its budgets, the expert of the warm
+    start, and the rollout options that single-turn sampling has and episodes do not (yet)."""
+    from roll.config.devices import check_devices, resolve_world_sizes
+    from roll.envs import ENVIRONMENTS
+    from roll.envs.agents import AGENTS
+    from roll.envs.base import check_env
+
+    problems = out_of_bounds(cfg)
+    if problems:
+        return problems
+    problems = resolve_world_sizes(cfg)
+    if problems:
+        return problems
+    problems += check_devices(cfg)
+    problems += check_model(cfg.model) + check_tiny_model(cfg.model) + check_tracking(cfg.tracking)
+    rollout, env = cfg.rollout, cfg.env
+    samples = rollout.rollout_batch_size * rollout.num_return_sequences
+    if rollout.hybrid_engine:
+        problems += check_hybrid_engine(cfg)
+    problems += check_update_batches("actor", cfg.actor, samples, rollout.num_return_sequences)
+    if cfg.critic is not None:
+        problems += check_update_batches("critic", cfg.critic, samples, rollout.num_return_sequences)
+        if cfg.critic.model_path is not None:
+            problems += check_model_dir("critic.model_path", cfg.critic.model_path)
+    problems += check_algorithm(cfg)
+    problems += check_inference_engine(cfg)
+    problems += check_env("env", env.name, env.options)
+    for reason, rule in env.stop_reasons.items():
+        if reason not in DEFAULT_STOP_POLICY:
+            problems.append(
+                f"env.stop_reasons.{reason}: not a stop reason with a policy (choose from "
+                f"{', '.join(DEFAULT_STOP_POLICY)}; env_error, env_timeout and aborted episodes are never "
+                "trained)"
+            )
+        elif rule not in STOP_POLICIES:
+            problems.append(f"env.stop_reasons.{reason}={rule}: choose one of {', '.join(STOP_POLICIES)}")
+    if env.max_context_tokens <= rollout.max_new_tokens:
+        problems.append(
+            f"env.max_context_tokens ({env.max_context_tokens}) leaves no room for a prompt beside one turn "
+            f"of rollout.max_new_tokens ({rollout.max_new_tokens}); raise it"
+        )
+    if cfg.model.tiny is not None and cfg.model.path is None:
+        longest = cfg.model.tiny.max_position_embeddings
+        if env.max_context_tokens > longest:
+            problems.append(
+                f"env.max_context_tokens ({env.max_context_tokens}) exceeds "
+                f"model.tiny.max_position_embeddings ({longest}); raise it or lower env.max_context_tokens"
+            )
+    shaping = cfg.algorithm.reward_shaping
+    for key, value in (
+        ("rollout.group_filters", rollout.group_filters),
+        ("rollout.async_generation_ratio", rollout.async_generation_ratio),
+        ("rollout.max_additional_running_prompts", rollout.max_additional_running_prompts),
+        ("rollout.max_prompts_per_step", rollout.max_prompts_per_step),
+        ("algorithm.reward_shaping.overlong_buffer", shaping.overlong_buffer),
+        ("algorithm.reward_shaping.length_penalty_coef", shaping.length_penalty_coef),
+    ):
+        if value:
+            problems.append(
+                f"{key} is not supported by pipeline: agentic (episodes are scheduled by seed group, "
+                "synchronously; response-length shaping is for single responses); remove it"
+            )
+    warm = cfg.sft_warm_start
+    if warm is not None:
+        problems += check_sft_train(warm, "sft_warm_start")
+        problems += check_registry("sft_warm_start.expert", warm.expert, AGENTS)
+        if warm.expert in AGENTS:
+            problems += check_kwargs(
+                "sft_warm_start.expert_options", AGENTS.get(warm.expert), warm.expert_options
+            )
+    if env.name in ENVIRONMENTS and not problems:
+        problems += check_seeds(cfg)
+    return problems
+
+
+def check_kwargs(key: str, cls: type, options: dict) -> list[str]:
+    """Options that ``cls``'s constructor does not take (e.g. a misspelt agent option)."""
+    import inspect
+
+    from roll.utils.registry import did_you_mean
+
+    known = [p for p in inspect.signature(cls).parameters if p not in ("self", "seed")]
+    return [
+        f"{key}.{name}: {cls.__name__} has no such option.{did_you_mean(name, known)} It takes: "
+        f"{', '.join(known) or 'no options'}"
+        for name in options
+        if name not in known
+    ]
+
+
+def check_seeds(cfg: AgenticConfig) -> list[str]:
+    """Training seeds exist beside the held-out ones (an env with few tasks may have none left)."""
+    from roll.envs.base import make_env
+    from roll.envs.seeds import training_seeds
+
+    try:
+        next(training_seeds(make_env(cfg.env.name, cfg.env.options), cfg.eval.seeds))
+    except ValueError as e:
+        return [f"eval.seeds: {e}"]
+    except Exception as e:  # noqa: BLE001 - the env's own failure, reported with its key
+        return [
+            f"env.name: {cfg.env.name} with env.options {cfg.env.options} failed: {type(e).__name__}: {e}"
+        ]
+    return []

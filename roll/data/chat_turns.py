@@ -62,6 +62,8 @@ class ChatTurns:
                 f"start with an end-of-turn token ({sorted(end_texts)}): the policy's stop token would not "
                 "close its turn"
             )
+        # The id the template closes an assistant turn with (what an imitated turn ends with).
+        self.end_turn_id = min(i for i in self.end_of_turn_ids if tokenizer.decode([i]) == end)
         self._after_end_of_turn = after_content[len(end) :]
         self._after_content = after_content
 

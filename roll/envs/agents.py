@@ -11,22 +11,28 @@ from typing import Protocol
 
 from roll.envs.base import TextEnv
 from roll.envs.frozen_lake import ACTIONS, shortest_path
+from roll.utils.registry import Registry, accepted_kwargs
+
+# Agents by name: the SFT warm start of an agentic run imitates one (``sft_warm_start.expert``).
+AGENTS: Registry[type] = Registry("agent")
 
 
 class Agent(Protocol):
     def act(self, observation: str) -> str: ...
 
 
+@AGENTS.register("random")
 class RandomAgent:
     """Picks one of ``actions`` uniformly at random (seeded)."""
 
-    def __init__(self, actions: Sequence[str], seed: int = 0):
+    def __init__(self, actions: Sequence[str] = ACTIONS, seed: int = 0):
         self.actions, self.rng = list(actions), random.Random(seed)
 
     def act(self, observation: str) -> str:
         return self.rng.choice(self.actions)
 
 
+@AGENTS.register("constant")
 class ConstantAgent:
     """Always the same action: the baseline a policy that collapsed onto one action would score."""
 
@@ -37,6 +43,7 @@ class ConstantAgent:
         return self.action
 
 
+@AGENTS.register("frozen_lake_expert")
 class FrozenLakeExpert:
     """The first step of a shortest path to the goal, read from the grid; with probability ``noise`` a
     random letter instead (a noisy expert to imitate, which RL should then beat)."""
@@ -51,6 +58,12 @@ class FrozenLakeExpert:
         if self.rng.random() < self.noise or not path:
             return self.rng.choice(ACTIONS)
         return path[0]
+
+
+def make_agent(name: str, options: dict | None = None, seed: int = 0) -> Agent:
+    """The registered agent ``name`` with ``options`` (and ``seed``, when it takes one)."""
+    cls = AGENTS.get(name)
+    return cls(**(options or {}), **accepted_kwargs(cls, {"seed": seed}))
 
 
 @dataclass

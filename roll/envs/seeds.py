@@ -17,14 +17,30 @@ def held_out_seeds(count: int) -> list[int]:
     return list(range(count))
 
 
+# Consecutive seeds whose tasks are all held-out ones before the search gives up: an env with fewer
+# tasks than held-out seeds would otherwise search forever.
+MAX_SKIPPED = 10_000
+
+
 def training_seeds(env: TextEnv, held_out: int, start: int = 0) -> Iterator[int]:
     """Training seeds in order, from the ``start``-th one (resumable): ``held_out`` upwards, without the
-    seeds whose layout is a held-out seed's."""
+    seeds whose layout is a held-out seed's.
+
+    Raises:
+        ValueError: ``MAX_SKIPPED`` seeds in a row repeat held-out tasks (too few tasks left to train on).
+    """
     excluded = {env.layout(seed) for seed in held_out_seeds(held_out)} - {None}
-    seed, index = held_out, 0
+    seed, index, skipped = held_out, 0, 0
     while True:
         if not excluded or env.layout(seed) not in excluded:
             if index >= start:
                 yield seed
-            index += 1
+            index, skipped = index + 1, 0
+        else:
+            skipped += 1
+            if skipped >= MAX_SKIPPED:
+                raise ValueError(
+                    f"{MAX_SKIPPED} seeds in a row from {seed - skipped + 1} repeat held-out tasks: the env "
+                    f"has too few distinct tasks beside the {held_out} held-out seeds; lower eval.seeds"
+                )
         seed += 1

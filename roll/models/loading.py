@@ -8,7 +8,9 @@ and fail before any worker starts.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -108,6 +110,20 @@ def end_of_sequence_ids(
             "response could never end with 'stop'; set eos_token in the tokenizer config"
         )
     return found
+
+
+def turn_stop_ids(
+    tokenizer: PreTrainedTokenizerBase, model_path: str, extra: Sequence[int] = ()
+) -> tuple[int, ...]:
+    """Every id that ends a sampled turn of the model saved at ``model_path``, as the engine stops on them:
+    ``end_of_sequence_ids`` (its generation config read without loading the weights), then ``extra``
+    (``rollout.stop_token_ids``)."""
+    from transformers import GenerationConfig
+
+    holder = None
+    if (Path(model_path) / "generation_config.json").is_file():
+        holder = SimpleNamespace(generation_config=GenerationConfig.from_pretrained(model_path))
+    return tuple(dict.fromkeys([*end_of_sequence_ids(tokenizer, holder), *(int(i) for i in extra)]))
 
 
 def load_causal_lm(

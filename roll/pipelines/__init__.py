@@ -24,6 +24,13 @@ def run_sft(config: Any, inputs: Any = None, **run_dir: Any) -> Any:
     return SFTPipeline(config, inputs, **run_dir).run()
 
 
+@PIPELINES.register("agentic")
+def run_agentic(config: Any, inputs: Any = None, **run_dir: Any) -> Any:
+    from roll.pipelines.agentic import AgenticPipeline
+
+    return AgenticPipeline(config, inputs, **run_dir).run()
+
+
 def run_pipeline(config: Any, inputs: Any = None, resume: str | None = None, overwrite: bool = False) -> Any:
     """Run the pipeline that ``config.pipeline`` names; ``inputs`` is ``preflight(config)``'s result
     when the caller ran it already (it runs in the pipeline otherwise). ``resume`` (``"latest"`` or a

@@ -32,7 +32,7 @@ class RunInputs:
     """What preflight loaded and checked: the policy's tokenizer and the tokenised datasets."""
 
     tokenizer: Any
-    train: PromptSet
+    train: PromptSet | None  # None: the run reads no dataset (agentic)
     eval: PromptSet | None
 
 
@@ -92,6 +92,9 @@ def preflight(cfg: Any) -> RunInputs:
     _refuse(problems)
     tokenizer = load_run_tokenizer(cfg.model)
     _refuse(check_stop_token_ids(cfg, tokenizer))
+    if cfg.pipeline == "agentic":  # no dataset: episodes come from the environment
+        _refuse(check_chat_template(cfg, tokenizer))
+        return RunInputs(tokenizer, None, None)
     if getattr(cfg, "domains", None):
         return RunInputs(tokenizer, *load_domains(cfg, tokenizer))
     needs = DATA_NEEDS.get(cfg.pipeline)(cfg)
@@ -131,6 +134,30 @@ def load_domains(cfg: Any, tokenizer: Any) -> tuple[PromptSet, PromptSet | None]
                 f"lower {key} to at most {len(mixed)} or add rows"
             )
     return mixed, PromptSet.concat(held_out) if held_out else None
+
+
+def check_chat_template(cfg: Any, tokenizer: Any) -> list[str]:
+    """An agentic run builds episodes turn by turn with the policy's chat template: one that rewrites
+    earlier turns (some strip earlier reasoning) or closes no assistant turn with a stop token would
+    break token-in-token-out."""
+    from roll.data.chat_turns import ChatTemplateError, ChatTurns
+
+    if not getattr(tokenizer, "chat_template", None):
+        return [
+            f"model: {_model_name(cfg.model)} has no chat template; an agentic run needs one to build turns"
+        ]
+    try:
+        chat = ChatTurns(
+            tokenizer, [tokenizer.eos_token_id, *cfg.rollout.stop_token_ids], cfg.env.system_prompt
+        )
+        chat.observation_ids("x")
+    except ChatTemplateError as e:
+        return [f"model: {e}"]
+    return []
+
+
+def _model_name(model: ModelConfig) -> str:
+    return model.path or "the tiny model"
 
 
 def load_run_tokenizer(model: ModelConfig) -> Any:

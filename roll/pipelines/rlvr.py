@@ -1,120 +1,46 @@
 """RLVR: reinforcement learning with verifiable rewards. The single controller's loop reads like the paper:
-generate -> reward -> reference/old logprobs -> advantages -> train -> sync weights -> log -> evaluate."""
+generate -> reward -> reference/old logprobs -> advantages -> train -> sync weights -> log -> evaluate.
+
+The step, the roles it shares with every policy-training pipeline, weight sync and recovery are in
+``roll.pipelines.policy``; this file is what RLVR adds: prompts, rewards by domain, the SFT warm start on
+reference answers, the sample scheduler and the held-out evaluation."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
 import torch
 
-from roll.algorithms.functional import masked_mean
-from roll.algorithms.kl import adaptive_kl_coef
-from roll.config.devices import resolve_world_sizes
-from roll.config.loader import ConfigError
-from roll.config.rlvr import DomainConfig, RLVRConfig, off_policy_note, run_domains
+from roll.config.rlvr import DomainConfig, RLVRConfig, run_domains
 from roll.config.sft import SFTConfig
 from roll.data.batch import Batch
 from roll.data.dataset import PromptIterator
 from roll.data.domains import DEFAULT_DOMAIN
-from roll.data.masks import loss_mask
 from roll.data.mixing import DomainMixer
-from roll.distributed.cluster import Cluster, WorkerError
-from roll.distributed.colocation import Colocation
-from roll.distributed.device_mapping import colocation_groups, is_colocated, validate_plan
-from roll.distributed.liveness import Liveness
-from roll.distributed.placement import DeviceTable, RankPlacement, place_role
-from roll.distributed.ray_utils import init_ray
-from roll.distributed.weight_sync import WeightSync, WeightSyncError
-from roll.pipelines.common import (
-    StageTimer,
-    evaluate,
-    prepare_model,
-    setup_trainer,
-    write_resolved_config,
-)
-from roll.pipelines.credit import (
-    advantage_metrics,
-    compute_advantages,
-    kl_per_token,
-    shape_scores,
-    shaping_enabled,
-    token_level_rewards,
-)
+from roll.pipelines.common import evaluate
 from roll.pipelines.domains import mix_domain_evals, reward_metrics, score_held_out
-from roll.pipelines.preflight import RunInputs, preflight
-from roll.pipelines.recovery import RestartBudget, lost_workers
-from roll.pipelines.roles import Role, RoleSet
-from roll.pipelines.run_dir import RunDirectory
-from roll.pipelines.run_loop import RunLoop
-from roll.pipelines.worker_specs import device_roles, plan_workers, updates_per_step
+from roll.pipelines.policy import PolicyPipeline
+from roll.pipelines.preflight import RunInputs
+from roll.pipelines.roles import Role
 from roll.rewards.scoring import DomainRewards, scored_in_controller
 from roll.rewards.spec import domain_specs
-from roll.rollout import BatchBackend, RayBackend, RolloutBackend, RolloutRouter, RolloutScheduler
+from roll.rollout import RolloutBackend, RolloutScheduler
 from roll.rollout.backend import RewardDispatch, domain_ranks
-from roll.tracking import Tracker
-from roll.utils.signals import set_activity
-from roll.workers.actor import ActorWorker
-from roll.workers.base import ModelSpec
-from roll.workers.critic import CriticWorker
-from roll.workers.reference import ReferenceWorker
 from roll.workers.reward import RewardWorker
-from roll.workers.rollout import RolloutWorker
 
 
-class RLVRPipeline(RunLoop):
-    restartable = (WorkerError, WeightSyncError)
+class RLVRPipeline(PolicyPipeline):
+    """RL on prompts scored by verifiable rewards (``RLVRConfig``)."""
 
-    def __init__(
-        self,
-        config: RLVRConfig,
-        inputs: RunInputs | None = None,
-        resume: str | None = None,
-        overwrite: bool = False,
-    ):
-        """``inputs``: what ``preflight(config)`` returned, when the caller ran it already (the CLI
-        does, before importing Ray); otherwise preflight runs here. Nothing is written and no model
-        is built before it has passed. ``resume``: ``"latest"`` or a checkpoint (or run) directory to
-        go on from; ``overwrite``: start again in an output directory that holds a run (see
-        ``RunDirectory``)."""
-        problems = resolve_world_sizes(config)  # a config built in code has not been through load_config
-        if problems:
-            raise ConfigError("\n".join(problems))
-        self.config = config
-        self.device_table: DeviceTable | None = None
-        self.role_set: RoleSet | None = None  # the live clusters (and standbys) of the run's roles
-        self.scheduler: RolloutScheduler | None = None
-        self.weight_sync: WeightSync | None = None
-        self.run_dir: RunDirectory | None = None
-        inputs = inputs or preflight(config)
-        self.tokenizer, self.train_prompts, self.eval_prompts = inputs.tokenizer, inputs.train, inputs.eval
-        self.budget = RestartBudget(config.checkpoint.max_restarts)
-        self.weights_version = 0  # the last weights version sent to the rollout workers (0: initial)
-        self._schedulers_made = 0
-        self._draining: RolloutBackend | None = None  # a closed scheduler's backend, see _close_scheduler
-        try:
-            self.run_dir = RunDirectory(config.output_dir, resume, overwrite)
-            # Ray and the devices of a joined cluster come before anything is written: an impossible
-            # mapping fails here, not after the SFT warm start.
-            init_ray(config.ray)
-            self.placements = self._place_roles()
-            write_resolved_config(config, config.output_dir)
-            self.model_path = prepare_model(config.model, config.output_dir)
-            if config.sft_warm_start is not None:
-                resumed = self.run_dir.resume_from is not None
-                self.model_path = self._warm_started_model() if resumed else self._warm_start(inputs)
-            self._start_clusters(self.placements)
-            self.role_set.fill_standby()
-        except BaseException:
-            self.shutdown()  # whatever started before the failure (or a stop signal) is released
-            raise
+    config: RLVRConfig
+    scheduler_roles = frozenset({"rollout", "reward"})
 
-    def _warm_start(self, inputs: RunInputs) -> str:
+    def take_inputs(self, inputs: RunInputs) -> None:
+        self.train_prompts, self.eval_prompts = inputs.train, inputs.eval
+
+    def warm_start(self, inputs: RunInputs) -> str:
         """SFT on the training rows' reference answers, as its own pipeline; its model starts RL."""
         from roll.pipelines.sft import SFTPipeline
 
@@ -138,50 +64,8 @@ class RLVRPipeline(RunLoop):
         )
         return SFTPipeline(sft_config, inputs, name="SFT warm-start", overwrite=True).run()
 
-    def _warm_started_model(self) -> str:
-        """The warm start's model, saved by the run being resumed: RL goes on from the checkpoint and
-        the reference model is this one, as before."""
-        path = Path(self.config.output_dir) / "sft" / "model"
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"the run being resumed has no SFT warm-start model at {path}")
-        return str(path)
-
-    def _start_clusters(self, placements: Callable[[str], list[RankPlacement] | None]) -> None:
-        cfg = self.config
-        set_activity("starting the workers")
+    def before_start(self) -> None:
         self.prompt_order = self._prompt_order()
-        plan = self.plan = plan_workers(cfg, self.model_path)
-        samples = plan.prompts_per_step * plan.samples_per_prompt
-        algo = cfg.algorithm
-        # With one optimizer step per rollout batch the "old" policy is the current one: its logprobs
-        # come free inside the train step, so the extra forward pass is skipped. A KL in the reward
-        # needs them before the update, so it keeps the pass.
-        self.needs_old_logprobs = updates_per_step(cfg.actor, samples) > 1 or (
-            algo.kl_coef > 0 and algo.kl_penalty == "reward"
-        )
-        self.kl_coef = algo.kl_coef  # moves each step when algorithm.kl_target is set
-        roles = self._declare_roles()
-        if self.role_set is None:
-            self.role_set = RoleSet(roles, self._make, standby=cfg.checkpoint.standby_workers)
-        self.role_set.roles = roles
-        # Roles already running (workers that outlived a lost trainer) are kept.
-        started = self.role_set.start()
-        if "rollout" in started:
-            self.weights_version = 0  # new rollout workers hold the initial weights
-        self.generator, self.generator_role = (
-            (self.actor, "actor") if plan.hybrid_engine else (self.rollout, "rollout")
-        )
-        clusters = {name: c for name, c in self.clusters().items() if roles[name].loads_model}
-        self.colocation = Colocation(clusters, colocation_groups(self.role_devices.values()))
-        setups = {}
-        for name in started & set(clusters):
-            cluster = clusters[name]
-            setup = functools.partial(setup_trainer, cluster) if roles[name].trainer else cluster.setup
-            setups[name] = functools.partial(setup, blocking=False)
-        self.colocation.start(setups)
-        self.scheduler = self._new_scheduler()
-        if self.rollout is not None:
-            self.weight_sync = self._connect_weight_sync()
 
     def _prompt_order(self) -> PromptIterator | DomainMixer:
         """The training prompts' order: with ``domains``, each batch holds every domain's share."""
@@ -192,43 +76,16 @@ class RLVRPipeline(RunLoop):
         ratios = {name: domain.ratio for name, domain in cfg.domains.items()}
         return DomainMixer(sizes, ratios, cfg.rollout.rollout_batch_size, seed=cfg.seed)
 
-    def _declare_roles(self) -> dict[str, Role]:
-        """The run's roles: the actor; rollout workers unless the actor generates (hybrid engine); reward
-        workers for the domains the controller does not score; a reference only with a KL term (the
-        initial policy, on the actor's devices); a critic only when configured."""
-        cfg, plan = self.config, self.plan
-        roles = {"actor": Role("actor", ActorWorker, cfg.actor.world_size, plan.actor, trainer=True)}
-        if plan.critic is not None:
-            roles["critic"] = Role("critic", CriticWorker, cfg.critic.world_size, plan.critic, trainer=True)
-        if not plan.hybrid_engine:
-            roles["rollout"] = Role(
-                "rollout", RolloutWorker, cfg.rollout.world_size, plan.rollout, replaceable=True
-            )
-        if self.reward_ranks:  # rewards cheaper than a Ray call are scored in the controller
-            rewards = {name: self.domain_rewards[name] for name in self.reward_ranks}
-            size = sum(len(ranks) for ranks in self.reward_ranks.values())
-            roles["reward"] = Role("reward", RewardWorker, size, rewards, replaceable=True, loads_model=False)
-        if cfg.algorithm.kl_coef > 0:
-            holder = _Holder(plan.actor.model)
-            roles["reference"] = Role(
-                "reference", ReferenceWorker, cfg.actor.world_size, holder, replaceable=True
-            )
-        return roles
+    def extra_roles(self) -> dict[str, Role]:
+        """Reward workers for the domains the controller does not score (rewards cheaper than a Ray
+        call are scored in the controller)."""
+        if not self.reward_ranks:
+            return {}
+        rewards = {name: self.domain_rewards[name] for name in self.reward_ranks}
+        size = sum(len(ranks) for ranks in self.reward_ranks.values())
+        return {"reward": Role("reward", RewardWorker, size, rewards, replaceable=True, loads_model=False)}
 
-    def _make(self, role: Role) -> Cluster:
-        """A started cluster of ``role``, its ranks placed on the role's devices."""
-        cfg = self.config
-        placements = self.placements(role.name) if role.name in self.role_devices else None
-        return Cluster(
-            role.name,
-            role.worker,
-            role.world_size,
-            role.spec,
-            timeout_s=cfg.ray.call_timeout_s,
-            plugins=cfg.imports,
-            liveness=Liveness.from_config(cfg.ray),
-            placements=placements,
-        )
+    reward = property(lambda self: self._live("reward"))
 
     @property
     def domains(self) -> dict[str, DomainConfig]:
@@ -253,325 +110,22 @@ class RLVRPipeline(RunLoop):
         pad_id = self.tokenizer.pad_token_id
         return RewardDispatch(self.reward, pad_id, self.reward_ranks, self.inline_rewards)
 
-    def _close_scheduler(self, keeps_rollout: bool) -> None:
-        """Close the scheduler. When its rollout workers stay for the next one, its calls still open on
-        them are drained before the next one starts (``_new_scheduler``), so none takes results meant
-        for it; meanwhile the replacement workers start."""
-        self.scheduler.close()
-        self._draining = self.scheduler.backend if keeps_rollout else None
-        self.scheduler = None
-
-    def _new_scheduler(self) -> RolloutScheduler:
-        if self._draining is not None:
-            self._draining.drain(DRAIN_S)
-            self._draining = None
-        if self.rollout is None:
-            backend: RolloutBackend = BatchBackend(self.actor, self.reward_dispatch())
-        else:
-            backend = RayBackend(RolloutRouter(self.rollout), self.reward_dispatch())
+    def make_scheduler(self, backend: RolloutBackend, id_prefix: str) -> RolloutScheduler:
         plan = self.plan
-        # After a recovery the rollout workers may still return requests of the scheduler before.
-        prefix = f"s{self._schedulers_made}-" if self._schedulers_made else ""
-        self._schedulers_made += 1
-        scheduler = RolloutScheduler(
+        return RolloutScheduler(
             backend,
             self.train_prompts,
             self.prompt_order,
             plan.scheduler,
             plan.sampling,
             self.tokenizer,
-            id_prefix=prefix,
+            id_prefix=id_prefix,
         )
-        scheduler.set_weights_version(self.weights_version)
-        return scheduler
 
-    def _connect_weight_sync(self) -> WeightSync:
-        sync = WeightSync(
-            self.actor,
-            self.rollout,
-            bucket_bytes=self.plan.weight_bucket_bytes,
-            timeout_s=self.config.ray.call_timeout_s,
-            colocated=is_colocated(self.role_devices["actor"], self.role_devices["rollout"]),
-        )
-        sync.connect()
-        return sync
-
-    def _place_roles(self) -> Callable[[str], list[RankPlacement] | None]:
-        """Each role's devices from the config; with any device mapping, a placement group over the
-        cluster's devices pins every rank to its devices. Impossible mappings fail here, before any model
-        loads."""
-        cfg = self.config
-        self.role_devices = {role.role: role for role in device_roles(cfg)}
-        if cfg.algorithm.kl_coef > 0:  # the reference model lives on the actor's devices
-            self.role_devices["reference"] = dataclasses.replace(self.role_devices["actor"], role="reference")
-        if not any(role.device_mapping is not None for role in self.role_devices.values()):
-            return lambda role: None
-        self.device_table = DeviceTable.create(timeout_s=cfg.ray.call_timeout_s)
-        problems = validate_plan(list(self.role_devices.values()), self.device_table.num_devices)
-        if problems:
-            self.device_table.remove()
-            raise ConfigError("invalid device mapping:\n" + "\n".join(f"  - {p}" for p in problems))
-        return lambda role: place_role(self.role_devices[role], self.device_table)
-
-    @property
-    def total_steps(self) -> int:
-        return self.config.steps
-
-    def on_start(self, tracker: Tracker) -> None:
-        note = off_policy_note(self.config)
-        if note is not None:
-            tracker.print(note)
-
-    def finish(
-        self, tracker: Tracker, results: dict[str, float], metrics: dict[str, float]
-    ) -> dict[str, float]:
-        """Save the final model (and critic); returns the final metrics (eval before/after included)."""
-        cfg = self.config
-        results.update(metrics)
-        if self.eval_prompts is not None and "eval/score" in metrics:
-            results["eval/score_after"] = metrics["eval/score"]
-            tracker.print(
-                f"eval/score before RL {results.get('eval/score_before', float('nan')):.3f} -> after RL "
-                f"{results['eval/score_after']:.3f}"
-            )
-        set_activity("saving the final model")
-        final = self.actor.save_pretrained(str(Path(cfg.output_dir) / "model"))
-        tracker.print(f"final model saved to {final}")
-        if self.critic is not None:
-            self.critic.save_pretrained(str(Path(cfg.output_dir) / "critic"))
-        return results
-
-    def evaluate_guarded(self) -> dict[str, float]:
-        return self._replacing(self.evaluate)
-
-    def after_evaluate(self, tracker: Tracker, metrics: dict[str, float], results: dict[str, float]) -> None:
-        self._warn_on_collapse(tracker, metrics["eval/score"], results)
-
-    # ---------------------------------------------------------------- checkpoints and recovery
-    def driver_state(self) -> dict[str, object]:
-        """Beside the trainers' state: every other worker's RNG, the scheduler's state, the KL coef."""
-        # First, so that a worker lost here is replaced before the scheduler's state is read.
-        worker_rng = self._replacing(
-            lambda: {
-                role: c.rng_state()
-                for role, c in self.clusters().items()
-                if not self.role_set.roles[role].trainer
-            }
-        )
-        return {"kl_coef": self.kl_coef, "scheduler": self.scheduler.state_dict(), "worker_rng": worker_rng}
-
-    def trainers(self) -> dict[str, Cluster]:
-        return self.role_set.trainers()
-
-    def load_driver_state(self, state: dict[str, Any]) -> None:
-        step = state["step"]
-        clusters = self.clusters()
-        for role, states in state["worker_rng"].items():
-            if role in clusters:
-                clusters[role].set_rng_state(states)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.kl_coef = state["kl_coef"]
-        # Fresh rollout workers get version ``step``, as in the run that saved it; ones that outlived a
-        # lost trainer hold a later version of the abandoned steps, so theirs must count on from it.
-        if step > 0:
-            version = max(step, self.weights_version + 1)
-            if self.weight_sync is not None:
-                self._sync_weights(version)
-            self.weights_version = version
-        self.scheduler.set_weights_version(self.weights_version)
-
-    def _publish_weights(self) -> dict[str, object] | None:
-        """The trainer's weights to the rollout workers as the next version (one per step in a run that
-        never lost its rollout workers, so there version == step); returns the transfer's stats."""
-        version = self.weights_version + 1
-        sent = self._sync_weights(version) if self.weight_sync is not None else None
-        self.weights_version = version
-        self.scheduler.set_weights_version(version)
-        return sent
-
-    def _sync_weights(self, version: int) -> dict[str, object]:
-        self.colocation.use("actor", "rollout")
-        return self.weight_sync.sync(version=version)
-
-    def clusters(self) -> dict[str, Cluster]:
-        """The live clusters, in the order the roles are declared."""
-        if self.role_set is None:
-            return {}
-        return {name: self.role_set.live[name] for name in self.role_set.roles if name in self.role_set.live}
-
-    actor = property(lambda self: self._live("actor"))
-    critic = property(lambda self: self._live("critic"))
-    rollout = property(lambda self: self._live("rollout"))
-    reward = property(lambda self: self._live("reward"))
-    reference = property(lambda self: self._live("reference"))
-
-    def _live(self, role: str) -> Cluster | None:
-        return self.role_set.get(role) if self.role_set is not None else None
-
-    def _replacing(self, call: Callable[[], T]) -> T:
-        """``call()``; when it fails because rollout, reward or reference workers were lost, they are
-        replaced and ``call`` runs again: those workers hold no training state, so no step is lost or
-        repeated. A lost trainer is left to ``_restart``."""
-        while True:
-            try:
-                return call()
-            except (WorkerError, WeightSyncError) as error:
-                lost = lost_workers(error, self.clusters())
-                if not lost or not set(lost) <= self.role_set.replaceable():
-                    raise
-                self.budget.spend(error, lost, f"replacing {' and '.join(sorted(lost))} workers")
-                self._replace(set(lost))
-
-    def _replace(self, roles: set[str]) -> None:
-        """New clusters in place of the lost rollout, reward or reference ones. After a rollout or reward
-        loss the scheduler starts again from the old one's state, so the prompts in flight are generated
-        again by the new workers; the reference model is the initial policy, loaded again."""
-        set_activity(f"replacing lost {' and '.join(sorted(roles))} workers")
-        start = time.perf_counter()
-        if "reference" in roles:
-            reference = self.role_set.replace("reference")
-            reference.setup()
-            self.colocation.clusters["reference"] = reference
-        standby = self.config.checkpoint.standby_workers
-        if roles & {"rollout", "reward"}:
-            self._replace_rollout_side(roles)
-        logger.warning(
-            "replaced the %s workers in %.1f s%s",
-            " and ".join(sorted(roles)),
-            time.perf_counter() - start,
-            " (standby processes)" if standby else "",
-        )
-        self.role_set.fill_standby()
-
-    def _replace_rollout_side(self, roles: set[str]) -> None:
-        state = self.scheduler.state_dict()
-        self._close_scheduler(keeps_rollout="rollout" not in roles)
-        if "reward" in roles:
-            self.role_set.replace("reward")
-        if "rollout" in roles:
-            if self.weight_sync is not None:
-                self.weight_sync.close()
-            version = self.weights_version
-            self.generator = self.role_set.replace("rollout")
-            self.generator.setup()
-            self.colocation.clusters["rollout"] = self.generator
-            self.weight_sync = self._connect_weight_sync()
-            if version > 0:  # the trained weights, under the version the lost workers held
-                self._sync_weights(version)
-                self.weights_version = version
-        self.scheduler = self._new_scheduler()
-        self.scheduler.load_state_dict(state)
-
-    def restart_workers(self, lost: dict[str, list[int]]) -> str:
-        """Every worker started again, but rollout, reward and reference workers that still answer: they
-        hold nothing of the lost history that a weight sync and a new scheduler do not replace, and
-        keeping them saves their start-up."""
-        start = time.perf_counter()
-        self._stop_workers(keep=self.role_set.replaceable() - set(lost))
-        stopped = time.perf_counter()
-        self._start_clusters(self.placements)
-        starting = time.perf_counter() - stopped
-        return f"stopping the workers {stopped - start:.1f} s, starting them {starting:.1f} s"
-
-    def after_restart(self) -> None:
-        self.role_set.fill_standby()
-
-    def step(self, step: int) -> dict[str, float]:
-        cfg, algo = self.config, self.config.algorithm
-        timer = StageTimer()
-        start = time.perf_counter()
-        metrics: dict[str, float] = {}
-        with timer("rollout"):  # generation and rewards, sample by sample (roll/rollout/scheduler.py)
-            _add(metrics, self.colocation.use(self.generator_role))
-            batch, rollout_metrics = self._replacing(lambda: self.scheduler.next_batch(step))
-        metrics.update(rollout_metrics)
-        # Lengths count every attended response token; credit, the KL and the losses only trained ones.
-        lengths = batch["response_mask"].sum(dim=1).float()
-        mask = loss_mask(batch).float()
-        scores = batch["scores"]
-        shaped = shape_scores(scores, lengths, algo.reward_shaping, cfg.rollout.max_new_tokens)
-        with timer("logprobs"):
-            batch = self._forward_passes(batch, metrics)
-
-        token_rewards = token_level_rewards(
-            scores, shaped, mask, batch["token_rewards"], response_mask=batch["response_mask"]
-        )
-        if self.reference is not None and algo.kl_penalty == "reward":
-            kl = kl_per_token(batch["old_logprobs"], batch["ref_logprobs"], mask, algo.kl_estimator)
-            token_rewards = token_rewards - self.kl_coef * kl
-            metrics["reward/kl"] = masked_mean(kl, mask).item()
-        advantages, returns = compute_advantages(
-            algo, token_rewards, mask, batch["group_index"], batch["values"] if self.critic else None
-        )
-        batch["advantages"], batch["returns"] = advantages, returns
-
-        if self.critic is not None:
-            with timer("critic"):
-                _add(metrics, self.colocation.use("critic"))
-                metrics.update({f"critic/{k}": v for k, v in self.critic.train_step(_tensors(batch)).items()})
-        with timer("train"):
-            _add(metrics, self.colocation.use("actor"))
-            kl_loss_coef = self.kl_coef if algo.kl_penalty == "loss" else 0.0
-            metrics.update(
-                {f"actor/{k}": v for k, v in self.actor.train_step(_tensors(batch), kl_loss_coef).items()}
-            )
-        if self.weight_sync is not None:
-            with timer("sync"):
-                _add(metrics, self.colocation.use("actor", "rollout"))
-                sent = self._replacing(self._publish_weights)
-                metrics["sync/gb_per_s"] = sent["gb_per_s"]
-        else:
-            self._publish_weights()
-        if self.reference is not None:
-            metrics["actor/kl_coef"] = self.kl_coef
-            self._adapt_kl_coef(metrics, len(batch))
-
-        step_time = time.perf_counter() - start
-        tokens = float(lengths.sum() + batch["prompt_mask"].sum())
-        group_size = self.plan.samples_per_prompt
-        if group_size > 1:  # with one sample per prompt every "group" trivially agrees
-            metrics["reward/all_same_group_frac"] = _all_same_group_fraction(scores, group_size)
-        if shaping_enabled(algo.reward_shaping):
-            metrics["reward/shaped_mean"] = shaped.mean().item()
-        metrics.update(reward_metrics(scores, batch["domain"], batch["reward_info"], bool(cfg.domains)))
-        return {
-            "reward/mean": scores.mean().item(),
-            "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
-            "response/length_mean": lengths.mean().item(),
-            "response/truncated_frac": sum(r == "length" for r in batch["finish_reason"]) / len(batch),
-            **advantage_metrics(advantages, returns, mask),
-            **metrics,
-            **timer.metrics(),
-            "time/step_s": step_time,
-            "throughput/tokens_per_s": tokens / step_time,
-        }
-
-    def _forward_passes(self, batch: Batch, metrics: dict[str, float]) -> Batch:
-        """Reference logprobs, old-policy logprobs and critic values, as needed.
-
-        One after another: each worker uses every core of the node, so on a shared CPU two passes at
-        once oversubscribe the threads and take longer than both in turn (measured: 110 ms at once
-        vs 39 ms in turn for reference + old logprobs on 64 samples, docs/algorithms.md)."""
-        temperature = self.config.rollout.temperature
-        if self.reference is not None:
-            _add(metrics, self.colocation.use("reference"))
-            reference = self._replacing(lambda: self.reference.compute_logprobs(_tensors(batch), temperature))
-            batch["ref_logprobs"] = reference["logprobs"]
-        if self.needs_old_logprobs:
-            _add(metrics, self.colocation.use("actor"))
-            batch["old_logprobs"] = self.actor.compute_logprobs(_tensors(batch), temperature)["logprobs"]
-        if self.critic is not None:
-            _add(metrics, self.colocation.use("critic"))
-            batch["values"] = self.critic.compute_values(_tensors(batch))["values"]
-        return batch
-
-    def _adapt_kl_coef(self, metrics: dict[str, float], batch_size: int) -> None:
-        """With ``algorithm.kl_target``, steer the KL coefficient toward the target after each step."""
-        algo = self.config.algorithm
-        if algo.kl_target is None:
-            return
-        observed = metrics["reward/kl"] if algo.kl_penalty == "reward" else metrics["actor/kl"]
-        self.kl_coef = adaptive_kl_coef(self.kl_coef, observed, algo.kl_target, algo.kl_horizon, batch_size)
+    def step_metrics(self, batch: Batch, scores: torch.Tensor) -> dict[str, float]:
+        truncated = sum(r == "length" for r in batch["finish_reason"]) / len(batch)
+        domains = reward_metrics(scores, batch["domain"], batch["reward_info"], bool(self.config.domains))
+        return {"response/truncated_frac": truncated, **domains}
 
     def evaluate(self) -> dict[str, float]:
         """Greedy answers to the held-out prompts, scored with each domain's evaluation reward. With
@@ -598,68 +152,7 @@ class RLVRPipeline(RunLoop):
             return per_domain[DEFAULT_DOMAIN]
         return mix_domain_evals(per_domain, {name: d.ratio for name, d in self.domains.items()})
 
-    def _warn_on_collapse(self, tracker: Tracker, score: float, results: dict[str, float]) -> None:
-        """A silent collapse (the eval score falling far below its best) is the classic sign of a too-high
-        learning rate; say so while the run is still going."""
-        best = max(results.get("eval/best", 0.0), results.get("eval/score_before", 0.0))
-        if best > 0.1 and score < 0.5 * best:
-            tracker.print(
-                f"WARNING: eval/score fell to {score:.3f} from a best of {best:.3f}: the policy may be "
-                "collapsing; try a lower actor.lr, a kl_coef > 0 or a smaller clip ratio"
-            )
-        results["eval/best"] = max(best, score)
-
-    def shutdown(self) -> None:
-        self._stop_workers()
-        if self.role_set is not None:
-            self.role_set.shutdown()
-        if self.device_table is not None:
-            self.device_table.remove()  # frees the devices for the next job on a shared cluster
-            self.device_table = None
-        if self.run_dir is not None:
-            self.run_dir.release()
-
-    def _stop_workers(self, keep: frozenset[str] | set[str] = frozenset()) -> None:
-        """Stop the scheduler, the weight transfer and every worker but the roles in ``keep``."""
-        if self.scheduler is not None:
-            self._close_scheduler(keeps_rollout="rollout" in keep and self.rollout is not None)
-        if self.weight_sync is not None:
-            self.weight_sync.close()
-            self.weight_sync = None
-        if self.role_set is not None:
-            self.role_set.stop(keep)
-
-
-logger = logging.getLogger(__name__)
-# How long a closing scheduler waits for its open calls on rollout workers that a new one takes over
-# (a collect_finished returns within the router's 1 s wait).
-DRAIN_S = 5.0
-T = TypeVar("T")
 
 # Each worker call carries only the fields its worker reads: pickling the whole batch (texts, dataset
 # rows, every tensor) to each rank costs time that grows with the batch and buys nothing.
 GENERATE_FIELDS = ("prompt_ids", "prompt_mask")
-
-
-def _tensors(batch: Batch) -> Batch:
-    """The tensor fields only: trainer, reference and critic workers read no text."""
-    return batch.select_keys(batch.tensors)
-
-
-@dataclasses.dataclass
-class _Holder:
-    """Config object for model-only workers (reference, rollout)."""
-
-    model: ModelSpec
-
-
-def _add(metrics: dict[str, float], more: dict[str, float]) -> None:
-    """Sum ``more`` into ``metrics`` (a stage may offload several times per step)."""
-    for key, value in more.items():
-        metrics[key] = metrics.get(key, 0.0) + value
-
-
-def _all_same_group_fraction(scores: torch.Tensor, group_size: int) -> float:
-    """Share of prompts whose samples all got the same reward: they carry no GRPO learning signal."""
-    groups = scores.view(-1, group_size)
-    return (groups.max(dim=1).values == groups.min(dim=1).values).float().mean().item()

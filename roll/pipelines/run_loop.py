@@ -43,6 +43,11 @@ class RunLoop(abc.ABC):
     name: str = "RL"
     restartable: tuple[type[BaseException], ...] = (WorkerError,)
 
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run has a held-out evaluation (held-out prompts by default)."""
+        return self.eval_prompts is not None
+
     # ----- what a pipeline gives -----------------------------------------------------------------------
 
     @property
@@ -113,7 +118,7 @@ class RunLoop(abc.ABC):
         cfg, total = self.config, self.total_steps
         with open_tracker(cfg, total) as tracker:
             self.on_start(tracker)
-            evaluate_before = self._evaluate_before if self.eval_prompts is not None else None
+            evaluate_before = self._evaluate_before if self.evaluates else None
             last, results = begin_run(tracker, self.run_dir.resume_from, self._restore, evaluate_before)
             metrics: dict[str, float] = {}
             step = last + 1
@@ -140,7 +145,7 @@ class RunLoop(abc.ABC):
 
     def _step_and_evaluate(self, step: int, tracker: Tracker, results: dict[str, float]) -> dict[str, float]:
         metrics = self.step(step)
-        if self.eval_prompts is not None and is_eval_step(self.config.eval, step, self.total_steps):
+        if self.evaluates and is_eval_step(self.config.eval, step, self.total_steps):
             set_activity(f"the evaluation after {self.name} step {step} of {self.total_steps}")
             metrics.update(self.evaluate_guarded())
             self.after_evaluate(tracker, metrics, results)

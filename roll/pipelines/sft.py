@@ -10,6 +10,7 @@ import torch
 from roll.config.sft import SFTConfig
 from roll.data.batch import Batch
 from roll.data.dataset import PromptIterator
+from roll.data.padding import right_pad
 from roll.distributed.cluster import Cluster
 from roll.distributed.liveness import Liveness
 from roll.distributed.ray_utils import init_ray
@@ -135,6 +136,14 @@ class SFTPipeline(RunLoop):
 
     def batch(self, indices: list[int]) -> Batch:
         batch = prompt_batch(self.train_rows, indices, self.tokenizer.pad_token_id)
+        rows = batch["sample"]
+        if "response_ids" in rows[0]:
+            # Rows given as tokens (an expert's episodes): trained where their loss_mask is 1, so the
+            # observations between the expert's turns are attended and not trained on.
+            pad = self.tokenizer.pad_token_id
+            batch["response_ids"], batch["response_mask"] = right_pad([r["response_ids"] for r in rows], pad)
+            batch["loss_mask"], _ = right_pad([r["loss_mask"] for r in rows], 0)
+            return batch
         key = self.config.data.response_key
         for name, tensor in response_tensors(self.tokenizer, [str(s[key]) for s in batch["sample"]]).items():
             batch[name] = tensor

@@ -101,7 +101,8 @@ def plan_workers(cfg: RLVRConfig, model_path: str) -> RLVRWorkerPlan:
         rollout=from_section(RolloutSpec, rollout, model=model),
         scheduler=from_section(SchedulerSpec, rollout),
         sampling=sampling,
-        eval_sampling=sampling.as_greedy(cfg.eval.max_new_tokens),
+        # An agentic run's greedy turns keep the training turns' budget (its eval section has none).
+        eval_sampling=sampling.as_greedy(getattr(cfg.eval, "max_new_tokens", rollout.max_new_tokens)),
         prompts_per_step=rollout.rollout_batch_size,
         samples_per_prompt=rollout.num_return_sequences,
         weight_bucket_bytes=rollout.weight_bucket_mb << 20,

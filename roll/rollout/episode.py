@@ -11,6 +11,11 @@ Layout of the finished episode (one training sample, trajectory-wise):
 
 The ids of a turn are the engine's, unchanged; its text is decoded only for the environment to read.
 
+The environment is stepped here (``env`` given: tests, agents in one process) or by the owner
+(``env=None``: the episode scheduler steps many episodes' environments per call on environment workers).
+Then ``start(observation)`` takes the reset's observation, ``add_turn`` returns the action text to step
+with, and ``observe`` takes the step's result.
+
 Budgets are separate and each ends the episode with its own ``StopReason``: ``max_tokens_per_turn``
 (a turn that reaches it without a stop id is ``turn_truncated``; its text is never acted on),
 ``max_turns`` and ``max_context_tokens`` (prompt and response together; the next turn would not fit,
@@ -57,15 +62,16 @@ class Turn:
     end: int  # exclusive
     text: str
     reward: float = 0.0
+    acted: bool = False  # the env stepped with it (a truncated or aborted turn is never acted on)
     action_is_valid: bool = True
     metrics: dict[str, float] = field(default_factory=dict)
 
 
 class Episode:
     """One episode of ``env`` from ``seed``: call ``start``, then alternate ``next_request`` (None once
-    the episode ended) and ``add_turn``."""
+    the episode ended) and ``add_turn`` (then ``observe``, when the owner steps the env)."""
 
-    def __init__(self, env: TextEnv, seed: int, chat: ChatTurns, budget: EpisodeBudget):
+    def __init__(self, env: TextEnv | None, seed: int, chat: ChatTurns, budget: EpisodeBudget):
         self.env, self.seed, self.chat, self.budget = env, seed, chat, budget
         self.prompt_ids: list[int] = []
         self.response_ids: list[int] = []
@@ -75,15 +81,18 @@ class Episode:
         self.turns: list[Turn] = []
         self.stop_reason: StopReason | None = None
         self.error: str | None = None
+        self._closed = True  # the last turn ended with an end-of-turn id
 
     # ----- the owner's calls ----------------------------------------------------------------------------
 
-    def start(self) -> None:
-        try:
-            observation, _ = self.env.reset(self.seed)
-        except Exception as error:  # noqa: BLE001 - an env failure costs the episode, never the run
-            self._end(StopReason.ENV_ERROR, error)
-            return
+    def start(self, observation: str | None = None) -> None:
+        """Reset the env (or take the ``observation`` of the owner's reset) and build the prompt."""
+        if observation is None:
+            try:
+                observation, _ = self.env.reset(self.seed)
+            except Exception as error:  # noqa: BLE001 - an env failure costs the episode, never the run
+                self._end(StopReason.ENV_ERROR, error)
+                return
         self.prompt_ids = self.chat.first_prompt(observation)
         if len(self.prompt_ids) >= self.budget.max_context_tokens:
             self._end(StopReason.CONTEXT_LIMIT)
@@ -103,34 +112,47 @@ class Episode:
 
     def add_turn(
         self, token_ids: list[int], logprobs: list[float], versions: list[int], finish_reason: str
-    ) -> None:
+    ) -> str | None:
         """Append the policy's turn as sampled (``finish_reason``: the engine's "stop", "length" or
-        "abort"), step the env with its text, and append the observation it returns, or end."""
+        "abort"). With an ``env``, step it with the turn's text and append the observation (or end);
+        without, return the text the owner must step the env with (None: the episode ended)."""
         if self.done:
             raise RuntimeError(f"episode of seed {self.seed} already ended ({self.stop_reason.value})")
         if not (len(token_ids) == len(logprobs) == len(versions)):
             raise ValueError("a turn needs one logprob and one weights version per sampled token")
         start = len(self.response_ids)
         self._append(token_ids, trained=True, logprobs=logprobs, versions=versions)
-        closed = bool(token_ids) and token_ids[-1] in self.chat.end_of_turn_ids
-        text_ids = token_ids[:-1] if closed else token_ids
+        self._closed = bool(token_ids) and token_ids[-1] in self.chat.end_of_turn_ids
+        text_ids = token_ids[:-1] if self._closed else token_ids
         turn = Turn(
             start, len(self.response_ids), self.chat.tokenizer.decode(text_ids, skip_special_tokens=True)
         )
         self.turns.append(turn)
         if finish_reason == "abort":
             self._end(StopReason.ABORTED)
-            return
+            return None
         if finish_reason != "stop":
             # Out of tokens mid-turn (max_tokens_per_turn, or the context): its text is not an action.
             full = len(self.prompt_ids) + len(self.response_ids) >= self.budget.max_context_tokens
             self._end(StopReason.CONTEXT_LIMIT if full else StopReason.TURN_TRUNCATED)
-            return
+            return None
+        if self.env is None:
+            return turn.text
         try:
-            observation, reward, terminated, truncated, info = self.env.step(turn.text)
+            result = self.env.step(turn.text)
         except Exception as error:  # noqa: BLE001 - an env failure costs the episode, never the run
             self._end(StopReason.ENV_ERROR, error)
-            return
+            return None
+        self.observe(*result)
+        return None
+
+    def observe(
+        self, observation: str, reward: float, terminated: bool, truncated: bool, info: dict[str, Any]
+    ) -> None:
+        """The env's answer to the last turn: its reward and metrics, then the next observation (or the
+        end of the episode)."""
+        turn = self.turns[-1]
+        turn.acted = True
         turn.reward, turn.action_is_valid = float(reward), bool(info.get("action_is_valid", True))
         turn.metrics = dict(info.get("metrics", {}))
         if terminated or truncated:
@@ -139,7 +161,7 @@ class Episode:
         if len(self.turns) >= self.budget.max_turns:
             self._end(StopReason.MAX_TURNS)
             return
-        observed = self.chat.observation_ids(observation, turn_closed=closed)
+        observed = self.chat.observation_ids(observation, turn_closed=self._closed)
         # The observation and at least one token of the next turn must fit.
         if len(self.prompt_ids) + len(self.response_ids) + len(observed) + 1 > self.budget.max_context_tokens:
             self._end(StopReason.CONTEXT_LIMIT)
@@ -161,8 +183,13 @@ class Episode:
     def success(self) -> bool:
         return any(turn.metrics.get("success", 0.0) > 0 for turn in self.turns)
 
+    @property
+    def failed(self) -> bool:
+        """Ended by its environment failing (raised or hung twice) or by an abort: not a sample."""
+        return self.stop_reason in (StopReason.ENV_ERROR, StopReason.ENV_TIMEOUT, StopReason.ABORTED)
+
     def summary(self) -> dict[str, Any]:
-        valid = [turn.action_is_valid for turn in self.turns]
+        valid = [turn.acted and turn.action_is_valid for turn in self.turns]
         return {
             "return": self.episode_return,
             "success": float(self.success),
@@ -183,3 +210,24 @@ class Episode:
         self.stop_reason = reason
         if error is not None:
             self.error = f"{type(error).__name__}: {error}"
+
+
+def demonstration(env: TextEnv, agent: Any, seed: int, chat: ChatTurns, budget: EpisodeBudget) -> Episode:
+    """An agent's episode in exactly the layout RL samples (the SFT warm start imitates it): each action
+    is the agent's text encoded alone and closed by the first end-of-turn id, as a policy would sample
+    it; observations come from the chat template as in RL. A turn that does not fit ends the episode."""
+    end_of_turn = chat.end_turn_id
+    observation, _ = env.reset(seed)
+    episode = Episode(None, seed, chat, budget)
+    episode.start(observation)
+    while (request := episode.next_request()) is not None:
+        ids = [*chat.tokenizer.encode(agent.act(observation), add_special_tokens=False), end_of_turn]
+        if len(ids) > request[1]:
+            episode.end(StopReason.TURN_TRUNCATED)
+            break
+        action = episode.add_turn(ids, [0.0] * len(ids), [0] * len(ids), "stop")
+        if action is None:
+            break
+        observation, reward, terminated, truncated, info = env.step(action)
+        episode.observe(observation, reward, terminated, truncated, info)
+    return episode

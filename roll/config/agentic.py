@@ -1,0 +1,129 @@
+"""`pipeline: agentic` - multi-turn RL in an environment: one episode is one training sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from roll.config.common import CheckpointConfig, ModelConfig, RayConfig, TrackingConfig
+from roll.config.fields import option
+from roll.config.rlvr import ActorConfig, AlgorithmConfig, CriticConfig, RolloutConfig
+from roll.config.sft import SFTTrainConfig
+
+# What the scheduler does with an episode that ended for each reason (env_error and env_timeout always
+# drop the episode: its group completes from the others or is dropped).
+STOP_POLICIES = ("train", "mask", "zero")
+DEFAULT_STOP_POLICY: dict[str, str] = {
+    "env_done": "train",
+    "max_turns": "train",
+    "context_limit": "train",
+    "turn_truncated": "train",
+}
+
+
+@dataclass
+class EnvConfig:
+    """The environment, the environment workers that host it, and each episode's budgets."""
+
+    name: str = option("frozen_lake", help="Registered environment (roll.envs.ENVIRONMENTS).")
+    options: dict[str, Any] = option({}, help="The environment's options (its constructor's arguments).")
+    world_size: int = option(
+        1, gt=0, help="Environment workers: processes that each host many env instances, stepped per call."
+    )
+    step_timeout_s: float = option(
+        30.0,
+        gt=0,
+        help="Longest reset or step of one env; one that hangs longer is retried once, then dropped.",
+    )
+    max_turns: int = option(
+        8, gt=0, help="Turns per episode (rollout.max_new_tokens is the tokens per turn)."
+    )
+    max_context_tokens: int = option(
+        512, gt=0, help="Prompt and response of an episode together, observations included."
+    )
+    system_prompt: str | None = option(None, help="System message at the start of every episode.")
+    group_size_redundancy: int = option(
+        0,
+        ge=0,
+        help="Extra episodes started per group: the first rollout.num_return_sequences to end complete it, "
+        "the rest are aborted (a slow or failing env then costs no waiting).",
+    )
+    stop_reasons: dict[str, str] = option(
+        {},
+        help="What to do with an episode per stop reason (env_done, max_turns, context_limit, "
+        "turn_truncated): train (its return as is), mask (in its group's baseline, no tokens trained) or "
+        "zero (trained with return 0). Merged over train for every reason.",
+    )
+
+    def stop_policy(self) -> dict[str, str]:
+        return {**DEFAULT_STOP_POLICY, **self.stop_reasons}
+
+
+@dataclass
+class AgenticEvalConfig:
+    """Held-out episodes on seeds training never plays (nor their maps): greedy and sampled."""
+
+    every_steps: int = option(
+        50, ge=0, help="Evaluate every N training steps (0: only before and after training)."
+    )
+    seeds: int = option(
+        100,
+        gt=0,
+        help="Held-out seeds 0..N-1: one episode each, greedy, and one sampled (rollout.temperature).",
+    )
+    score: Literal["greedy", "sampled"] = option(
+        "sampled",
+        help="Which success rate is eval/score (both are logged: eval/greedy/success, eval/sampled/success).",
+    )
+
+
+@dataclass
+class ExpertWarmStartConfig(SFTTrainConfig):
+    """SFT on a scripted expert's episodes, in exactly the token format RL trains on."""
+
+    expert: str = option("frozen_lake_expert", help="Registered agent (roll.envs.agents.AGENTS) to imitate.")
+    expert_options: dict[str, Any] = option(
+        {}, help="The agent's options, e.g. {noise: 0.3} for an expert that moves at random 30% of the time."
+    )
+    episodes: int = option(2000, gt=0, help="Expert episodes played on training seeds.")
+
+
+@dataclass
+class AgenticConfig:
+    """`pipeline: agentic` - trajectory-level RL on multi-turn episodes of an environment."""
+
+    pipeline: Literal["agentic"] = option("agentic", help="Which pipeline runs this config.")
+    run_name: str = option("agentic", help="Name shown in logs.")
+    output_dir: str = option("runs/agentic", help="Run directory: metrics, TensorBoard events, final model.")
+    seed: int = option(0, help="Seed for sampling, initialisation and the expert's episodes.")
+    imports: list[str] = option(
+        [],
+        help="Your modules that register envs, agents or algorithms (imported by the driver and workers).",
+    )
+    steps: int = option(100, gt=0, help="RL training steps (one batch of episode groups each).")
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The initial policy."})
+    env: EnvConfig = field(default_factory=EnvConfig, metadata={"help": "Environment and episode budgets."})
+    sft_warm_start: ExpertWarmStartConfig | None = field(
+        default=None,
+        metadata={"help": "Imitate a scripted expert before RL (unset: RL from the model as is)."},
+    )
+    rollout: RolloutConfig = field(
+        default_factory=RolloutConfig,
+        metadata={
+            "help": "Sampling: rollout_batch_size seeds per step, num_return_sequences episodes per seed, "
+            "max_new_tokens per turn."
+        },
+    )
+    actor: ActorConfig = field(default_factory=ActorConfig, metadata={"help": "Policy optimisation."})
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig, metadata={"help": "RL algorithm."})
+    critic: CriticConfig | None = field(
+        default=None, metadata={"help": "Value model for advantage_estimator=gae (PPO); unset otherwise."}
+    )
+    eval: AgenticEvalConfig = field(
+        default_factory=AgenticEvalConfig, metadata={"help": "Held-out episodes."}
+    )
+    checkpoint: CheckpointConfig = field(
+        default_factory=CheckpointConfig, metadata={"help": "Checkpoints, resume and automatic recovery."}
+    )
+    tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"help": "Metric sinks."})
+    ray: RayConfig = field(default_factory=RayConfig, metadata={"help": "Ray connection."})

@@ -1,0 +1,127 @@
+"""Agentic RL: the policy plays multi-turn episodes in an environment and learns from how they end.
+
+    (optional) imitate a scripted expert's episodes, in exactly the token layout RL samples
+    each step: play groups of episodes per training seed (generate -> env step -> generate)
+             -> one sample per episode, its return as the score -> the RL step (GRPO, REINFORCE, PPO)
+    evaluate: one greedy and one sampled episode per held-out seed
+
+The step, the roles (actor, critic, reference, rollout), weight sync and recovery are the shared
+skeleton's (``roll.pipelines.policy``); this file adds the environment workers, the episode scheduler
+(``roll.rollout.episodes``), the expert warm start and the held-out episodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from roll.config.agentic import AgenticConfig
+from roll.config.common import EvalConfig
+from roll.config.sft import SFTConfig, SFTTrainConfig
+from roll.data.chat_turns import ChatTurns
+from roll.data.prompts import PromptSet
+from roll.envs.agents import make_agent
+from roll.envs.base import make_env
+from roll.envs.seeds import held_out_seeds, training_seeds
+from roll.models.loading import turn_stop_ids
+from roll.pipelines.policy import PolicyPipeline
+from roll.pipelines.preflight import RunInputs
+from roll.pipelines.roles import Role
+from roll.rollout import RolloutBackend
+from roll.rollout.episode import EpisodeBudget, demonstration
+from roll.rollout.episodes import EpisodeScheduler, EpisodeSpec, RayEnvs, SeedOrder, episode_metrics
+from roll.utils.signals import set_activity
+from roll.workers.environment import EnvSpec, EnvWorker
+
+
+class AgenticPipeline(PolicyPipeline):
+    """Trajectory-level RL on episodes of ``config.env`` (``AgenticConfig``)."""
+
+    config: AgenticConfig
+    scheduler_roles = frozenset({"rollout", "environment"})
+    eval_prompts = None
+    evaluates = True  # on held-out seeds
+
+    def take_inputs(self, inputs: RunInputs) -> None:
+        cfg = self.config
+        self.seed_order = SeedOrder(make_env(cfg.env.name, cfg.env.options), cfg.eval.seeds)
+
+    @property
+    def budget_per_episode(self) -> EpisodeBudget:
+        env = self.config.env
+        return EpisodeBudget(env.max_turns, self.config.rollout.max_new_tokens, env.max_context_tokens)
+
+    def chat(self) -> ChatTurns:
+        """Turn-by-turn ids of the policy's chat template; a turn ends at any of the engine's stop ids."""
+        stop_ids = turn_stop_ids(self.tokenizer, self.model_path, self.config.rollout.stop_token_ids)
+        return ChatTurns(self.tokenizer, stop_ids, self.config.env.system_prompt)
+
+    def warm_start(self, inputs: RunInputs) -> str:
+        """SFT on the expert's episodes (training seeds only), as its own pipeline; its model starts RL."""
+        from roll.pipelines.sft import SFTPipeline
+
+        cfg, warm = self.config, self.config.sft_warm_start
+        set_activity(f"playing {warm.episodes} episodes of the {warm.expert} agent")
+        train = SFTTrainConfig(**{f.name: getattr(warm, f.name) for f in dataclasses.fields(SFTTrainConfig)})
+        sft_config = SFTConfig(
+            run_name=f"{cfg.run_name}-sft",
+            output_dir=str(Path(cfg.output_dir) / "sft"),
+            seed=cfg.seed,
+            imports=cfg.imports,
+            model=dataclasses.replace(cfg.model, path=self.model_path, tiny=None),
+            train=train,
+            eval=EvalConfig(every_steps=0),
+            # Part of this run: its checkpoints are the RL ones, and a resumed run skips it.
+            checkpoint=dataclasses.replace(
+                cfg.checkpoint, every_steps=0, max_restarts=0, standby_workers=False
+            ),
+            tracking=cfg.tracking,
+            ray=cfg.ray,
+        )
+        rows = RunInputs(self.tokenizer, expert_rows(cfg, self.chat(), self.budget_per_episode), None)
+        return SFTPipeline(sft_config, rows, name="SFT warm-start", overwrite=True).run()
+
+    def extra_roles(self) -> dict[str, Role]:
+        env = self.config.env
+        spec = EnvSpec(env.name, env.options, env.step_timeout_s)
+        worker = Role("environment", EnvWorker, env.world_size, spec, replaceable=True, loads_model=False)
+        return {"environment": worker}
+
+    def make_scheduler(self, backend: RolloutBackend, id_prefix: str) -> EpisodeScheduler:
+        cfg = self.config
+        spec = EpisodeSpec(
+            groups_per_step=cfg.rollout.rollout_batch_size,
+            group_size=cfg.rollout.num_return_sequences,
+            budget=self.budget_per_episode,
+            redundancy=cfg.env.group_size_redundancy,
+            stop_policy=cfg.env.stop_policy(),
+        )
+        envs = RayEnvs(self._live("environment"))
+        pad_id = self.tokenizer.pad_token_id
+        return EpisodeScheduler(
+            backend, envs, self.chat(), spec, self.plan.sampling, self.seed_order, pad_id, id_prefix
+        )
+
+    def evaluate(self) -> dict[str, float]:
+        """One greedy and one sampled episode on each held-out seed: ``eval/greedy/*``,
+        ``eval/sampled/*`` (success, return, turns, invalid actions, stop reasons); ``eval/score`` is the
+        success rate ``eval.score`` names."""
+        self.colocation.use(self.generator_role)
+        seeds = held_out_seeds(self.config.eval.seeds)
+        metrics: dict[str, float] = {}
+        for mode, params in (("greedy", self.plan.sampling.as_greedy()), ("sampled", self.plan.sampling)):
+            metrics.update(episode_metrics(self.scheduler.play(seeds, params), f"eval/{mode}"))
+        metrics["eval/score"] = metrics[f"eval/{self.config.eval.score}/success"]
+        return metrics
+
+
+def expert_rows(cfg: AgenticConfig, chat: ChatTurns, budget: EpisodeBudget) -> PromptSet:
+    """``sft_warm_start.episodes`` episodes of the expert on the training seeds, as token rows in the
+    layout RL samples (``roll.rollout.episode.demonstration``)."""
+    warm = cfg.sft_warm_start
+    env = make_env(cfg.env.name, cfg.env.options)
+    agent = make_agent(warm.expert, warm.expert_options, seed=cfg.seed)
+    seeds = training_seeds(env, cfg.eval.seeds)
+    played = [demonstration(env, agent, next(seeds), chat, budget) for _ in range(warm.episodes)]
+    rows = [{"response_ids": e.response_ids, "loss_mask": e.loss_mask, "seed": e.seed} for e in played]
+    return PromptSet(rows, [""] * len(rows), [e.prompt_ids for e in played])
