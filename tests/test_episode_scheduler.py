@@ -9,16 +9,18 @@ from __future__ import annotations
 import threading
 
 import pytest
+from fake_rollout import FakeBackend
 
 from roll.data.chat_turns import ChatTurns
 from roll.envs import ENVIRONMENTS
 from roll.envs.frozen_lake import FrozenLake, shortest_path
 from roll.envs.pool import EnvPool
+from roll.envs.seeds import SeedOrder
 from roll.models.tokenizer import build_char_tokenizer
+from roll.rollout.env_clients import LocalEnvs
 from roll.rollout.episode import EpisodeBudget
-from roll.rollout.episodes import EpisodeScheduler, EpisodeSpec, LocalEnvs, SeedOrder
+from roll.rollout.episodes import EpisodeScheduler, EpisodeSpec
 from roll.strategies.sampling import SamplingParams
-from tests.fake_rollout import FakeBackend
 
 TOKENIZER = build_char_tokenizer("LDRUPGH_\n.,:IAnvalidctoswerhf ")
 EOS = TOKENIZER.eos_token_id
@@ -217,12 +219,47 @@ def test_seeds_of_groups_not_trained_on_are_played_again_after_a_restart() -> No
     resumed, _, _ = scheduler(expert(), groups=2, group_size=2)
     resumed.load_state_dict(state)
     assert resumed.next_batch(2)[0]["seed"] == again["seed"]
-    # Mid-step state (a worker lost while groups were live) keeps their seeds first.
-    sched._start([sched._new_group(99, 2)])
-    assert sched.state_dict()["pending"][0] == 99
+    # Mid-step state (a worker lost while groups were live) keeps their seeds first, but never the
+    # held-out seed of an evaluation cut short.
+    sched._start([sched._new_group(99, 2, training=True), sched._new_group(3, 1, training=False)])
+    assert sched.state_dict()["pending"][0] == 99 and 3 not in sched.state_dict()["pending"]
 
 
 def test_held_out_play_returns_one_episode_per_seed_in_order() -> None:
     sched, _, _ = scheduler(expert())
     episodes = sched.play([3, 1, 2], SamplingParams(max_new_tokens=4, greedy=True, stop_token_ids=(EOS,)))
     assert [e.seed for e in episodes] == [3, 1, 2] and all(e.success for e in episodes)
+
+
+def test_with_a_merge_prone_tokenizer_the_batch_holds_exactly_the_ids_the_engine_sampled() -> None:
+    """A BPE tokenizer trained locally merges "R" + "R" into one id: the batch must hold the engine's ids
+    turn by turn, never a re-encoding of the decoded episode."""
+    from roll.models.tokenizer import build_bpe_tokenizer
+
+    lakes = [FrozenLake(size=4).reset(seed)[0] for seed in range(30)]
+    bpe = build_bpe_tokenizer([*lakes, "RR", "DD", "R", "D", "L", "U"] * 20, vocab_size=320)
+    assert len(bpe.encode("RR", add_special_tokens=False)) == 1
+    sampled: dict[str, list[int]] = {}
+
+    def script(request):
+        text = bpe.decode(list(request.prompt_ids), skip_special_tokens=False)
+        grid = text.rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+        ids = bpe.encode((shortest_path(grid) or ["L"])[0], add_special_tokens=False) + [bpe.eos_token_id]
+        sampled[request.request_id] = ids
+        return ids, 1.0
+
+    backend = FakeBackend(script)
+    spec = EpisodeSpec(groups_per_step=2, group_size=2, budget=EpisodeBudget(8, 4, 600))
+    chat = ChatTurns(bpe, [bpe.eos_token_id])
+    seeds = SeedOrder(FrozenLake(size=4), held_out=10)
+    params = SamplingParams(max_new_tokens=4)
+    envs = LocalEnvs(EnvPool("frozen_lake", {"size": 4}))
+    sched = EpisodeScheduler(backend, envs, chat, spec, params, seeds, bpe.pad_token_id)
+    sched.clock = backend.clock
+    batch, metrics = sched.next_batch(1)
+    assert metrics["episode/success"] == 1.0
+    for row, episode_id in enumerate(batch["episode_id"]):
+        trained = batch["loss_mask"][row].bool()
+        turns = [ids for rid, ids in sampled.items() if rid.rsplit("t", 1)[0] == episode_id]
+        in_order = [sampled[f"{episode_id}t{k}"] for k in range(len(turns))]
+        assert batch["response_ids"][row][trained].tolist() == [i for ids in in_order for i in ids]

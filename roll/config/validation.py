@@ -384,33 +384,41 @@ def check_async_generation(cfg: RLVRConfig) -> list[str]:
     return []
 
 
-def validate_rlvr(cfg: RLVRConfig) -> list[str]:
-    from roll.config.devices import check_devices, resolve_world_sizes
+def bounds_and_world_sizes(cfg: RLVRConfig | AgenticConfig) -> list[str]:
+    """Bounds first: the cross-field checks divide by batch sizes and world sizes. Then the unset world
+    sizes, from the device mappings: every batch-size check needs them."""
+    from roll.config.devices import resolve_world_sizes
 
-    # Bounds first: the cross-field checks below divide by batch sizes and world sizes.
-    problems = out_of_bounds(cfg)
-    if problems:
-        return problems
-    # Unset world sizes come from the device mappings; every batch-size check below needs them.
-    problems = resolve_world_sizes(cfg)
-    if problems:
-        return problems
-    problems += check_devices(cfg)
+    return out_of_bounds(cfg) or resolve_world_sizes(cfg)
+
+
+def check_policy_training(cfg: RLVRConfig | AgenticConfig) -> list[str]:
+    """What every pipeline that trains a policy on its samples (RLVR, agentic) checks alike: devices, the
+    critic's model, the hybrid engine, update batches, the algorithm and the inference engine."""
+    from roll.config.devices import check_devices
+
     rollout = cfg.rollout
-    problems += check_common(cfg)
+    problems = check_devices(cfg)
     if cfg.critic is not None and cfg.critic.model_path is not None:
         problems += check_model_dir("critic.model_path", cfg.critic.model_path)
     samples = rollout.rollout_batch_size * rollout.num_return_sequences
     if rollout.hybrid_engine:
         problems += check_hybrid_engine(cfg)
-    problems += check_divides(
-        "rollout.world_size", rollout.world_size, "rollout.rollout_batch_size", rollout.rollout_batch_size
-    )
     problems += check_update_batches("actor", cfg.actor, samples, rollout.num_return_sequences)
     if cfg.critic is not None:
         problems += check_update_batches("critic", cfg.critic, samples, rollout.num_return_sequences)
-    problems += check_algorithm(cfg)
-    problems += check_inference_engine(cfg)
+    return problems + check_algorithm(cfg) + check_inference_engine(cfg)
+
+
+def validate_rlvr(cfg: RLVRConfig) -> list[str]:
+    problems = bounds_and_world_sizes(cfg)
+    if problems:
+        return problems
+    rollout = cfg.rollout
+    problems = check_policy_training(cfg) + check_common(cfg)
+    problems += check_divides(
+        "rollout.world_size", rollout.world_size, "rollout.rollout_batch_size", rollout.rollout_batch_size
+    )
     problems += check_dynamic_sampling(cfg)
     problems += check_async_generation(cfg)
     if not cfg.domains:
@@ -429,30 +437,16 @@ def validate_rlvr(cfg: RLVRConfig) -> list[str]:
 def validate_agentic(cfg: AgenticConfig) -> list[str]:
     """The RL sections as RLVR checks them, the environment and its budgets, the expert of the warm
     start, and the rollout options that single-turn sampling has and episodes do not (yet)."""
-    from roll.config.devices import check_devices, resolve_world_sizes
     from roll.envs import ENVIRONMENTS
     from roll.envs.agents import AGENTS
     from roll.envs.base import check_env
 
-    problems = out_of_bounds(cfg)
+    problems = bounds_and_world_sizes(cfg)
     if problems:
         return problems
-    problems = resolve_world_sizes(cfg)
-    if problems:
-        return problems
-    problems += check_devices(cfg)
+    problems = check_policy_training(cfg)
     problems += check_model(cfg.model) + check_tiny_model(cfg.model) + check_tracking(cfg.tracking)
     rollout, env = cfg.rollout, cfg.env
-    samples = rollout.rollout_batch_size * rollout.num_return_sequences
-    if rollout.hybrid_engine:
-        problems += check_hybrid_engine(cfg)
-    problems += check_update_batches("actor", cfg.actor, samples, rollout.num_return_sequences)
-    if cfg.critic is not None:
-        problems += check_update_batches("critic", cfg.critic, samples, rollout.num_return_sequences)
-        if cfg.critic.model_path is not None:
-            problems += check_model_dir("critic.model_path", cfg.critic.model_path)
-    problems += check_algorithm(cfg)
-    problems += check_inference_engine(cfg)
     problems += check_env("env", env.name, env.options)
     for reason, rule in env.stop_reasons.items():
         if reason not in DEFAULT_STOP_POLICY:

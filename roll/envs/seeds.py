@@ -8,7 +8,9 @@ generalisation.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
+from typing import Any
 
 from roll.envs.base import TextEnv
 
@@ -44,3 +46,28 @@ def training_seeds(env: TextEnv, held_out: int, start: int = 0) -> Iterator[int]
                     f"has too few distinct tasks beside the {held_out} held-out seeds; lower eval.seeds"
                 )
         seed += 1
+
+
+class SeedOrder:
+    """Training seeds in order (``roll.envs.seeds.training_seeds``: never a held-out task), resumable.
+    Seeds of groups drawn but not trained on (a step cut short by a lost worker) are drawn again first."""
+
+    def __init__(self, env: TextEnv, held_out: int):
+        self.env, self.held_out = env, held_out
+        self.drawn = 0
+        self.pending: collections.deque[int] = collections.deque()
+        self._seeds: Iterator[int] = training_seeds(env, held_out)
+
+    def next(self) -> int:
+        if self.pending:
+            return self.pending.popleft()
+        self.drawn += 1
+        return next(self._seeds)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"drawn": self.drawn, "pending": list(self.pending)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.drawn = int(state["drawn"])
+        self.pending = collections.deque(int(s) for s in state["pending"])
+        self._seeds = training_seeds(self.env, self.held_out, start=self.drawn)

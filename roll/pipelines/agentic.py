@@ -13,23 +13,23 @@ skeleton's (``roll.pipelines.policy``); this file adds the environment workers, 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 from roll.config.agentic import AgenticConfig
 from roll.config.common import EvalConfig
-from roll.config.sft import SFTConfig, SFTTrainConfig
+from roll.config.sft import SFTTrainConfig
 from roll.data.chat_turns import ChatTurns
 from roll.data.prompts import PromptSet
 from roll.envs.agents import make_agent
 from roll.envs.base import make_env
-from roll.envs.seeds import held_out_seeds, training_seeds
+from roll.envs.seeds import SeedOrder, held_out_seeds, training_seeds
 from roll.models.loading import turn_stop_ids
 from roll.pipelines.policy import PolicyPipeline
 from roll.pipelines.preflight import RunInputs
 from roll.pipelines.roles import Role
 from roll.rollout import RolloutBackend
+from roll.rollout.env_clients import RayEnvs
 from roll.rollout.episode import EpisodeBudget, demonstration
-from roll.rollout.episodes import EpisodeScheduler, EpisodeSpec, RayEnvs, SeedOrder, episode_metrics
+from roll.rollout.episodes import EpisodeScheduler, EpisodeSpec, episode_metrics
 from roll.utils.signals import set_activity
 from roll.workers.environment import EnvSpec, EnvWorker
 
@@ -57,29 +57,12 @@ class AgenticPipeline(PolicyPipeline):
         return ChatTurns(self.tokenizer, stop_ids, self.config.env.system_prompt)
 
     def warm_start(self, inputs: RunInputs) -> str:
-        """SFT on the expert's episodes (training seeds only), as its own pipeline; its model starts RL."""
-        from roll.pipelines.sft import SFTPipeline
-
-        cfg, warm = self.config, self.config.sft_warm_start
+        """SFT on the expert's episodes (training seeds only); its model starts RL."""
+        warm = self.config.sft_warm_start
         set_activity(f"playing {warm.episodes} episodes of the {warm.expert} agent")
         train = SFTTrainConfig(**{f.name: getattr(warm, f.name) for f in dataclasses.fields(SFTTrainConfig)})
-        sft_config = SFTConfig(
-            run_name=f"{cfg.run_name}-sft",
-            output_dir=str(Path(cfg.output_dir) / "sft"),
-            seed=cfg.seed,
-            imports=cfg.imports,
-            model=dataclasses.replace(cfg.model, path=self.model_path, tiny=None),
-            train=train,
-            eval=EvalConfig(every_steps=0),
-            # Part of this run: its checkpoints are the RL ones, and a resumed run skips it.
-            checkpoint=dataclasses.replace(
-                cfg.checkpoint, every_steps=0, max_restarts=0, standby_workers=False
-            ),
-            tracking=cfg.tracking,
-            ray=cfg.ray,
-        )
-        rows = RunInputs(self.tokenizer, expert_rows(cfg, self.chat(), self.budget_per_episode), None)
-        return SFTPipeline(sft_config, rows, name="SFT warm-start", overwrite=True).run()
+        rows = RunInputs(self.tokenizer, expert_rows(self.config, self.chat(), self.budget_per_episode), None)
+        return self.run_sft(rows, train, eval=EvalConfig(every_steps=0))
 
     def extra_roles(self) -> dict[str, Role]:
         env = self.config.env

@@ -136,6 +136,31 @@ class PolicyPipeline(RunLoop):
         """The pipeline's own metrics of a training batch."""
         return {}
 
+    def run_sft(self, inputs: RunInputs, train: Any, **sections: Any) -> str:
+        """SFT as its own pipeline, part of this run: from the model RL starts with, into
+        ``<output_dir>/sft``, with no checkpoints of its own (a resumed run skips it: its checkpoints are
+        the RL ones). ``sections``: the SFT config's other sections (data, eval, reward). Returns the
+        fine-tuned model's path."""
+        from roll.config.sft import SFTConfig
+        from roll.pipelines.sft import SFTPipeline
+
+        cfg = self.config
+        sft_config = SFTConfig(
+            run_name=f"{cfg.run_name}-sft",
+            output_dir=str(Path(cfg.output_dir) / "sft"),
+            seed=cfg.seed,
+            imports=cfg.imports,
+            model=dataclasses.replace(cfg.model, path=self.model_path, tiny=None),
+            train=train,
+            checkpoint=dataclasses.replace(
+                cfg.checkpoint, every_steps=0, max_restarts=0, standby_workers=False
+            ),
+            tracking=cfg.tracking,
+            ray=cfg.ray,
+            **sections,
+        )
+        return SFTPipeline(sft_config, inputs, name="SFT warm-start", overwrite=True).run()
+
     # ----- starting the roles --------------------------------------------------------------------------
 
     def _warm_started_model(self) -> str:

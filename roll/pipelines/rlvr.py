@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 
 import torch
 
 from roll.config.rlvr import DomainConfig, RLVRConfig, run_domains
-from roll.config.sft import SFTConfig
 from roll.data.batch import Batch
 from roll.data.dataset import PromptIterator
 from roll.data.domains import DEFAULT_DOMAIN
@@ -41,28 +39,15 @@ class RLVRPipeline(PolicyPipeline):
         self.train_prompts, self.eval_prompts = inputs.train, inputs.eval
 
     def warm_start(self, inputs: RunInputs) -> str:
-        """SFT on the training rows' reference answers, as its own pipeline; its model starts RL."""
-        from roll.pipelines.sft import SFTPipeline
-
+        """SFT on the training rows' reference answers; its model starts RL."""
         cfg = self.config
-        sft_config = SFTConfig(
-            run_name=f"{cfg.run_name}-sft",
-            output_dir=str(Path(cfg.output_dir) / "sft"),
-            seed=cfg.seed,
-            imports=cfg.imports,
-            model=dataclasses.replace(cfg.model, path=self.model_path, tiny=None),
+        return self.run_sft(
+            inputs,
+            cfg.sft_warm_start,
             data=cfg.data,
-            train=cfg.sft_warm_start,
             reward=cfg.eval_reward or cfg.reward,
             eval=dataclasses.replace(cfg.eval, every_steps=0),
-            # Part of this run: its checkpoints are the RL ones, and a resumed run skips it.
-            checkpoint=dataclasses.replace(
-                cfg.checkpoint, every_steps=0, max_restarts=0, standby_workers=False
-            ),
-            tracking=cfg.tracking,
-            ray=cfg.ray,
         )
-        return SFTPipeline(sft_config, inputs, name="SFT warm-start", overwrite=True).run()
 
     def before_start(self) -> None:
         self.prompt_order = self._prompt_order()

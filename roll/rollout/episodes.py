@@ -24,156 +24,30 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from roll.data.batch import Batch
 from roll.data.chat_turns import ChatTurns
 from roll.data.padding import left_pad, right_pad
-from roll.envs.base import TextEnv
-from roll.envs.pool import ERROR, OK, EnvPool, EnvResult
-from roll.envs.seeds import training_seeds
+from roll.envs.pool import ERROR, OK, EnvResult
+from roll.envs.seeds import SeedOrder
 from roll.rollout.backend import RolloutBackend
+from roll.rollout.env_clients import EnvClient
 from roll.rollout.episode import Episode, EpisodeBudget, StopReason, Turn
 from roll.strategies.infer.base import GenerateRequest
 from roll.strategies.sampling import SamplingParams
 
-__all__ = ["EnvClient", "EpisodeScheduler", "EpisodeSpec", "LocalEnvs", "RayEnvs", "SeedOrder"]
+__all__ = ["EpisodeScheduler", "EpisodeSpec", "episode_metrics"]
 
 # How long a poll for turns waits while env steps are out too (their results are taken after it).
 ENV_POLL_S = 0.005
 # At most this many distinct actions get a histogram entry (a policy writing free text would make one
 # per turn); the rest are counted under actions/other.
 MAX_ACTION_KEYS = 16
-
-
-class EnvClient(Protocol):
-    """Many episodes' environments (``roll.envs.pool.EnvPool`` semantics). Resets wait; steps are sent
-    and their results polled, so a slow env holds up only the episodes stepped in the same call."""
-
-    def reset(self, requests: list[tuple[str, int]]) -> list[EnvResult]: ...
-
-    def send(self, actions: list[tuple[str, str]]) -> None: ...
-
-    def poll(self, timeout_s: float) -> list[EnvResult]:
-        """Results of sent steps that have come back, waiting up to ``timeout_s`` for the first."""
-
-    @property
-    def pending(self) -> int:
-        """Steps sent whose results have not been polled."""
-
-    def close(self, episode_ids: list[str]) -> None: ...
-
-
-class LocalEnvs:
-    """The environments in this process (tests; an env cheaper than a Ray call): a step runs when sent."""
-
-    def __init__(self, pool: EnvPool):
-        self.pool = pool
-        self._done: list[EnvResult] = []
-
-    def reset(self, requests: list[tuple[str, int]]) -> list[EnvResult]:
-        return self.pool.reset(requests)
-
-    def send(self, actions: list[tuple[str, str]]) -> None:
-        self._done += self.pool.step(actions)
-
-    def poll(self, timeout_s: float) -> list[EnvResult]:
-        done, self._done = self._done, []
-        return done
-
-    @property
-    def pending(self) -> int:
-        return len(self._done)
-
-    def close(self, episode_ids: list[str]) -> None:
-        self.pool.close(episode_ids)
-
-
-class RayEnvs:
-    """Environment workers (``roll.workers.environment.EnvWorker``): each episode lives on one rank,
-    chosen at its reset (the rank with the fewest live episodes); one call per rank carries all of its
-    episodes' steps, the ranks' calls run at once, and steps sent later go in calls of their own. A lost
-    worker raises ``WorkerError`` naming its rank."""
-
-    def __init__(self, cluster: Any):
-        self.cluster = cluster
-        self.rank_of: dict[str, int] = {}
-        self.live = [0] * cluster.world_size
-        self._calls: dict[Any, int] = {}  # step call in flight -> how many steps it carries
-
-    def reset(self, requests: list[tuple[str, int]]) -> list[EnvResult]:
-        for episode_id, _ in requests:
-            rank = min(range(len(self.live)), key=self.live.__getitem__)
-            self.rank_of[episode_id] = rank
-            self.live[rank] += 1
-        return [result for future, _ in self._call("reset", requests) for result in future.get()]
-
-    def send(self, actions: list[tuple[str, str]]) -> None:
-        for future, size in self._call("step", actions):
-            self._calls[future] = size
-
-    def poll(self, timeout_s: float) -> list[EnvResult]:
-        from roll.distributed.cluster import wait_any
-
-        results = []
-        for future in wait_any(list(self._calls), timeout_s):
-            del self._calls[future]
-            results += future.get()
-        return results
-
-    @property
-    def pending(self) -> int:
-        return sum(self._calls.values())
-
-    def close(self, episode_ids: list[str]) -> None:
-        by_rank: dict[int, list[str]] = collections.defaultdict(list)
-        for episode_id in episode_ids:
-            rank = self.rank_of.pop(episode_id, None)
-            if rank is not None:
-                self.live[rank] -= 1
-                by_rank[rank].append(episode_id)
-        futures = [self.cluster.call_rank(r, "close", ids, blocking=False) for r, ids in by_rank.items()]
-        for future in futures:
-            future.get()
-
-    def _call(self, method: str, items: list[tuple[str, Any]]) -> list[tuple[Any, int]]:
-        """One non-blocking call per rank with its episodes' items: (future, how many items)."""
-        by_rank: dict[int, list[tuple[str, Any]]] = collections.defaultdict(list)
-        for item in items:
-            by_rank[self.rank_of[item[0]]].append(item)
-        return [
-            (self.cluster.call_rank(r, method, part, blocking=False), len(part))
-            for r, part in by_rank.items()
-        ]
-
-
-class SeedOrder:
-    """Training seeds in order (``roll.envs.seeds.training_seeds``: never a held-out task), resumable.
-    Seeds of groups drawn but not trained on (a step cut short by a lost worker) are drawn again first."""
-
-    def __init__(self, env: TextEnv, held_out: int):
-        self.env, self.held_out = env, held_out
-        self.drawn = 0
-        self.pending: collections.deque[int] = collections.deque()
-        self._seeds: Iterator[int] = training_seeds(env, held_out)
-
-    def next(self) -> int:
-        if self.pending:
-            return self.pending.popleft()
-        self.drawn += 1
-        return next(self._seeds)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"drawn": self.drawn, "pending": list(self.pending)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.drawn = int(state["drawn"])
-        self.pending = collections.deque(int(s) for s in state["pending"])
-        self._seeds = training_seeds(self.env, self.held_out, start=self.drawn)
 
 
 @dataclass(frozen=True)
@@ -199,13 +73,10 @@ class _Group:
     seed: int
     episodes: dict[str, Episode]
     worker: int
+    training: bool  # a training seed's group (not a held-out episode of the evaluation)
     ended: list[str] = field(default_factory=list)  # episodes that ended as samples, in order
     failed: int = 0
     closed: bool = False
-
-    @property
-    def complete(self) -> bool:
-        return self.closed and bool(self.ended)
 
 
 class EpisodeScheduler:
@@ -257,22 +128,25 @@ class EpisodeScheduler:
         spec = self.spec
         groups = self._run(
             [
-                self._new_group(self.seeds.next(), spec.group_size + spec.redundancy)
+                self._new_group(self.seeds.next(), spec.group_size + spec.redundancy, training=True)
                 for _ in range(spec.groups_per_step)
             ],
             spec.groups_per_step,
             self.params,
             spec.group_size,
-            replace=lambda: self._new_group(self.seeds.next(), spec.group_size + spec.redundancy),
+            replace=lambda: self._new_group(self.seeds.next(), spec.group_size + spec.redundancy, True),
         )
-        episodes = [group.episodes[eid] for group in groups for eid in group.ended[: spec.group_size]]
+        rows = [(group, eid) for group in groups for eid in group.ended[: spec.group_size]]
+        episodes = [group.episodes[eid] for group, eid in rows]
         group_index = [i for i, _ in enumerate(groups) for _ in range(spec.group_size)]
-        return self._assemble(episodes, group_index), self._metrics(episodes)
+        batch = self._assemble(episodes, group_index)
+        batch["episode_id"] = [eid for _, eid in rows]
+        return batch, self._metrics(episodes)
 
     def play(self, seeds: Sequence[int], params: SamplingParams) -> list[Episode]:
         """One episode per seed (held-out evaluation), in seed order; an episode whose env failed is
         returned as it ended (``failed``)."""
-        groups = [self._new_group(seed, 1) for seed in seeds]
+        groups = [self._new_group(seed, 1, training=False) for seed in seeds]
         self._run(groups, len(groups), params, 1, replace=None)
         return [next(iter(group.episodes.values())) for group in groups]
 
@@ -280,9 +154,10 @@ class EpisodeScheduler:
         self.weights_version = version
 
     def state_dict(self) -> dict[str, Any]:
-        """The seed cursor; the seeds of groups drawn and not trained on are drawn again first."""
+        """The seed cursor; the seeds of groups drawn and not trained on are drawn again first (never a
+        held-out seed of an evaluation cut short)."""
         state = self.seeds.state_dict()
-        state["pending"] = [group.seed for group in self._live] + state["pending"]
+        state["pending"] = [group.seed for group in self._live if group.training] + state["pending"]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -301,7 +176,7 @@ class EpisodeScheduler:
 
     # ----- playing ---------------------------------------------------------------------------------------
 
-    def _new_group(self, seed: int, episodes: int) -> _Group:
+    def _new_group(self, seed: int, episodes: int, training: bool) -> _Group:
         group_id = self._next_group
         self._next_group += 1
         ids = [f"{self.id_prefix}g{group_id}e{k}" for k in range(episodes)]
@@ -310,6 +185,7 @@ class EpisodeScheduler:
             seed,
             {eid: Episode(None, seed, self.chat, self.spec.budget) for eid in ids},
             worker=group_id % self.backend.num_workers,
+            training=training,
         )
 
     def _run(
