@@ -68,6 +68,7 @@ def test_the_example_loads_and_bad_agentic_settings_are_named_at_load() -> None:
         "rollout.async_generation_ratio=1"
     )
     assert "exceeds model.tiny.max_position_embeddings (256)" in problems("env.max_context_tokens=300")
+    assert "reaches ray.call_timeout_s (900)" in problems("env.step_timeout_s=100")
     # FrozenLake 2x2 has a handful of maps: 200 held-out seeds leave none to train on.
     assert "eval.seeds: 10000 seeds in a row" in problems("env.options={size: 2}")
 

@@ -457,6 +457,16 @@ def validate_agentic(cfg: AgenticConfig) -> list[str]:
             )
         elif rule not in STOP_POLICIES:
             problems.append(f"env.stop_reasons.{reason}={rule}: choose one of {', '.join(STOP_POLICIES)}")
+    # A failed step is retried on a fresh instance with the episode replayed: a reset and every earlier
+    # turn again, each within the step timeout. The worker's call must be allowed that long.
+    worst_call_s = env.step_timeout_s * (env.max_turns + 2)
+    if worst_call_s >= cfg.ray.call_timeout_s:
+        problems.append(
+            f"env.step_timeout_s ({env.step_timeout_s:g}) x (env.max_turns + 2) = {worst_call_s:g} s, the "
+            f"longest an env worker's call may take (a retry replays the episode), reaches "
+            f"ray.call_timeout_s ({cfg.ray.call_timeout_s:g}): the worker would be taken for lost; lower "
+            "env.step_timeout_s or raise ray.call_timeout_s"
+        )
     if env.max_context_tokens <= rollout.max_new_tokens:
         problems.append(
             f"env.max_context_tokens ({env.max_context_tokens}) leaves no room for a prompt beside one turn "
