@@ -60,6 +60,26 @@ class FrozenLakeExpert:
         return path[0]
 
 
+@AGENTS.register("sokoban_expert")
+class SokobanExpert:
+    """The first move of a shortest solution (breadth-first search on the room the observation shows);
+    with probability ``noise`` a random letter instead."""
+
+    def __init__(self, noise: float = 0.0, seed: int = 0):
+        if not 0.0 <= noise <= 1.0:
+            raise ValueError(f"noise must be in [0, 1], got {noise}")
+        self.noise, self.rng = noise, random.Random(seed)
+
+    def act(self, observation: str) -> str:
+        from roll.envs.sokoban import ACTIONS as SOKOBAN_ACTIONS
+        from roll.envs.sokoban import Room, solve
+
+        path = solve(Room.parse(observation))
+        if self.rng.random() < self.noise or not path:
+            return self.rng.choice(SOKOBAN_ACTIONS)
+        return path[0]
+
+
 def make_agent(name: str, options: dict | None = None, seed: int = 0) -> Agent:
     """The registered agent ``name`` with ``options`` (and ``seed``, when it takes one)."""
     cls = AGENTS.get(name)
