@@ -82,6 +82,18 @@ def check_env(key: str, name: str, options: dict[str, Any]) -> list[str]:
     return problems
 
 
+def invalid_action(action_help: str, observation: str, reward: float) -> StepResult:
+    """The step result of a turn the env cannot parse (the format penalty): ``reward``, an observation
+    that says what a valid turn looks like above the unchanged ``observation``, and the episode goes on."""
+    return (
+        f"Invalid action. {action_help}\n{observation}",
+        reward,
+        False,
+        False,
+        {"action_is_valid": False, "metrics": {}},
+    )
+
+
 def make_env(name: str, options: dict[str, Any] | None = None) -> TextEnv:
     """A new instance of the environment registered as ``name`` with ``options``."""
     return ENVIRONMENTS.get(name)(**(options or {}))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from roll.envs.base import ENVIRONMENTS, Observation, StepResult, TextEnv
+from roll.envs.base import ENVIRONMENTS, Observation, StepResult, TextEnv, invalid_action
 
 DEFAULT_INVALID_ACTION_REWARD = -0.1
 
@@ -59,14 +59,8 @@ class GymnasiumTextEnv(TextEnv):
             raise RuntimeError("step() before reset()")
         action = self.parse_action(action_text)
         if action is None or not self.env.action_space.contains(action):
-            observation = f"Invalid action. {self.action_help}\n{self.render(self.env, self._last)}"
-            return (
-                observation,
-                self.invalid_action_reward,
-                False,
-                False,
-                {"action_is_valid": False, "metrics": {}},
-            )
+            rendered = self.render(self.env, self._last)
+            return invalid_action(self.action_help, rendered, self.invalid_action_reward)
         self._last, reward, terminated, truncated, info = self.env.step(action)
         return (
             self.render(self.env, self._last),

@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from roll.envs.base import ENVIRONMENTS, TextEnv
+from roll.envs.base import ENVIRONMENTS, TextEnv, invalid_action
 from roll.envs.gym_adapter import DEFAULT_INVALID_ACTION_REWARD, action_parser
 
 ACTIONS = ("L", "D", "R", "U")
@@ -231,14 +231,7 @@ class Sokoban(TextEnv):
             raise RuntimeError("step() before reset()")
         action = self.parse(action_text)
         if action is None:
-            observation = f"Invalid action. {ACTION_HELP}\n{self.room.render()}"
-            return (
-                observation,
-                self.invalid_action_reward,
-                False,
-                False,
-                {"action_is_valid": False, "metrics": {}},
-            )
+            return invalid_action(ACTION_HELP, self.room.render(), self.invalid_action_reward)
         placed = self.room.push(ACTIONS[action])
         solved = self.room.solved
         reward = self.step_reward + placed + (10.0 if solved else 0.0)

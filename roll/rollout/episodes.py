@@ -75,7 +75,6 @@ class _Group:
     worker: int
     training: bool  # a training seed's group (not a held-out episode of the evaluation)
     ended: list[str] = field(default_factory=list)  # episodes that ended as samples, in order
-    failed: int = 0
     closed: bool = False
 
 
@@ -299,11 +298,11 @@ class EpisodeScheduler:
             for eid, episode in group.episodes.items():
                 if episode.done and eid not in group.ended and not episode.failed:
                     group.ended.append(eid)
-            group.failed = sum(episode.failed for episode in group.episodes.values())
+            failed = sum(episode.failed for episode in group.episodes.values())
             if len(group.ended) >= group_size:
                 self._close(group)
                 complete.append(group)
-            elif len(group.episodes) - group.failed < group_size:
+            elif len(group.episodes) - failed < group_size:
                 self._close(group)
                 if replace is None:  # evaluation keeps the failed episode
                     continue
