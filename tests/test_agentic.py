@@ -64,13 +64,74 @@ def test_the_example_loads_and_bad_agentic_settings_are_named_at_load() -> None:
         in (problems("sft_warm_start.expert_options={nois: 0.3}"))
     )
     assert "sft_warm_start.expert: " in problems("sft_warm_start.expert=oracle")
-    assert "rollout.async_generation_ratio is not supported by pipeline: agentic" in problems(
-        "rollout.async_generation_ratio=1"
+    assert "rollout.group_filters is not supported by pipeline: agentic" in problems(
+        "rollout.group_filters=[equal_rewards]"
+    )
+    assert load_config(EXAMPLE, ["rollout.async_generation_ratio=1"]).rollout.async_generation_ratio == 1
+    assert "with rollout.hybrid_engine the actor itself generates" in problems(
+        "rollout.async_generation_ratio=1", "rollout.hybrid_engine=true"
     )
     assert "exceeds model.tiny.max_position_embeddings (256)" in problems("env.max_context_tokens=300")
     assert "reaches ray.call_timeout_s (900)" in problems("env.step_timeout_s=100")
     # FrozenLake 2x2 has a handful of maps: 200 held-out seeds leave none to train on.
     assert "eval.seeds: 10000 seeds in a row" in problems("env.options={size: 2}")
+
+
+@pytest.mark.parametrize("example", ["agentic_frozenlake_gigpo", "agentic_sokoban", "agentic_tool"])
+@pytest.mark.usefixtures("at_repo_root")
+def test_the_other_agentic_examples_load(example: str) -> None:
+    cfg = load_config(f"examples/{example}.yaml")
+    assert cfg.pipeline == "agentic" and cfg.eval.seeds == 200
+    if example == "agentic_frozenlake_gigpo":
+        # GiGPO against the trajectory-wise example: the same model, maps, held-out seeds and RL budget.
+        base = load_config(EXAMPLE)
+        assert (cfg.model, cfg.env.name, cfg.env.options, cfg.steps) == (
+            base.model,
+            base.env.name,
+            base.env.options,
+            base.steps,
+        )
+        assert (cfg.rollout, cfg.actor) == (base.rollout, base.actor)
+        assert cfg.env.sample_layout == "step_wise" and cfg.algorithm.advantage_estimator == "gigpo"
+
+
+@pytest.mark.usefixtures("at_repo_root")
+def test_step_wise_settings_are_checked_at_load() -> None:
+    step_wise = ["env.sample_layout=step_wise", "algorithm.advantage_estimator=gigpo"]
+    assert load_config(EXAMPLE, step_wise).env.sample_layout == "step_wise"
+    assert "algorithm.advantage_estimator=gigpo credits each turn" in problems(
+        "algorithm.advantage_estimator=gigpo"
+    )
+    assert "use gigpo or step_reinforce, or env.sample_layout=trajectory" in problems(
+        "env.sample_layout=step_wise"
+    )
+    assert "env.history_turns (2) is read only with env.sample_layout=step_wise" in problems(
+        "env.history_turns=2"
+    )
+    assert "algorithm.step_advantage_weight is read only by advantage_estimator=gigpo" in problems(
+        "algorithm.step_advantage_weight=0.5"
+    )
+    assert "algorithm.step_norm is read only by gigpo and step_reinforce" in problems(
+        "algorithm.step_norm=mean_std_norm"
+    )
+    assert "use algorithm.kl_penalty=loss" in problems(
+        *step_wise, "algorithm.kl_coef=0.01", "algorithm.kl_penalty=reward"
+    )
+    assert "reward_shaping.normalize/clip" in problems(*step_wise, "algorithm.reward_shaping.normalize=true")
+
+
+@pytest.mark.usefixtures("at_repo_root")
+def test_the_experts_step_wise_rows_are_one_turn_each() -> None:
+    cfg = load_config(EXAMPLE, ["sft_warm_start.episodes=10", "sft_warm_start.expert_options={noise: 0.0}"])
+    tokenizer = build_char_tokenizer(cfg.model.tiny.alphabet)
+    chat = ChatTurns(tokenizer, [tokenizer.eos_token_id])
+    rows = expert_rows(cfg, chat, EpisodeBudget(8, 3, 256), history_turns=0)
+    assert len(rows) > 10  # several turns per episode
+    for prompt, row in zip(rows.token_ids, rows.rows):
+        text = tokenizer.decode(prompt, skip_special_tokens=False)
+        assert text.count("<|user|>") == 1  # the current observation only
+        turn = tokenizer.decode(row["response_ids"], skip_special_tokens=False)
+        assert turn[0] in "LDRU" and turn[1:] == "<|eos|>" and all(row["loss_mask"])
 
 
 @pytest.mark.usefixtures("at_repo_root")
@@ -140,6 +201,67 @@ def test_a_killed_environment_worker_is_replaced_without_losing_a_step(
     finally:
         pipeline.shutdown()
     assert [row["step"] for row in metrics(out)] == [1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("role", ["environment", "rollout"])
+@pytest.mark.usefixtures("ray_session", "at_repo_root")
+def test_asynchronous_episodes_recover_a_killed_worker_without_losing_a_step(
+    role: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Episodes play on while the actor trains (rollout.async_generation_ratio=1, step-wise GiGPO); a
+    worker killed mid-run is replaced and the run loses no step. The off-policy correction is on."""
+    import logging
+
+    from roll.pipelines.agentic import AgenticPipeline
+
+    out = tmp_path / "run"
+    overrides = [*QUICK, f"output_dir={out}", "sft_warm_start=null", "eval.every_steps=0", "steps=3"]
+    overrides += ["rollout.async_generation_ratio=1"]
+    overrides += ["env.sample_layout=step_wise", "algorithm.advantage_estimator=gigpo"]
+    pipeline = AgenticPipeline(load_config(EXAMPLE, overrides))
+    lost = pipeline.role_set.live[role]
+    step = pipeline.step
+
+    def kill_before_step_2(number: int) -> dict[str, float]:
+        if number == 2:  # the background thread is playing step 2's episodes ahead by now
+            os.kill(lost.ping()[0]["pid"], signal.SIGKILL)
+        return step(number)
+
+    pipeline.step = kill_before_step_2
+    try:
+        with caplog.at_level(logging.WARNING):
+            pipeline._train()
+        assert pipeline.role_set.live[role] is not lost and pipeline.budget.restarts == 1
+        assert f"replaced the {role} workers" in caplog.text
+    finally:
+        pipeline.shutdown()
+    rows = metrics(out)
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert all(row["rollout/staleness_max"] <= 1 for row in rows)
+    assert "actor/tis_weight_mean" in rows[-1]  # truncated importance sampling, on by default here
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_session", "at_repo_root")
+def test_gigpo_trains_one_sample_per_turn_with_mini_batches(tmp_path: Path) -> None:
+    """Step-wise GiGPO with two mini-batches per step: rows vary per step, the optimizer steps do not."""
+    from roll.pipelines.agentic import AgenticPipeline
+
+    out = tmp_path / "run"
+    overrides = [*QUICK, f"output_dir={out}", "eval.every_steps=0", "steps=2"]
+    overrides += ["env.sample_layout=step_wise", "algorithm.advantage_estimator=gigpo"]
+    overrides += ["algorithm.gamma=0.95", "actor.mini_batch_size=2", "actor.lr_scheduler=linear"]
+    AgenticPipeline(load_config(EXAMPLE, overrides)).run()
+    rows = metrics(out)
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        # Rows are turns (padded to the 2 mini-batches), and each step made 2 optimizer steps of a linear
+        # schedule over 4: the mean LR of the first step's is (1 + 3/4) / 2 of the peak.
+        assert row["rollout/turn_samples"] == pytest.approx(row["episode/turns"] * 4)
+        assert (row["rollout/turn_samples"] + row["rollout/padding_samples"]) % 2 == 0
+    assert rows[0]["actor/lr"] == pytest.approx(1e-4 * (1 + 0.75) / 2)
+    assert rows[1]["actor/lr"] == pytest.approx(1e-4 * (0.5 + 0.25) / 2)
 
 
 @pytest.mark.slow

@@ -194,7 +194,15 @@ def test_every_estimator_smoke(name):
     rewards, mask, _ = _random_groups(seed=2)
     mask[4] = 0.0  # an all-padding row
     group_index = torch.arange(5).repeat(2)  # 5 groups of 2
-    params = accepted_kwargs(fn, {**ESTIMATOR_PARAMS, "values": torch.randn_like(rewards), "gamma": 0.9})
+    offered = {**ESTIMATOR_PARAMS, "values": torch.randn_like(rewards), "gamma": 0.9}
+    if traits.get("per_turn"):  # one row per turn: rows 2k and 2k+1 are two turns of one episode
+        offered |= {
+            "episode_index": torch.arange(10) // 2,
+            "turn_index": torch.arange(10) % 2,
+            "turn_rewards": torch.randn(10),
+            "anchor_index": torch.arange(10) % 3,
+        }
+    params = accepted_kwargs(fn, offered)
     advantages, returns = fn(rewards, mask, group_index, **params)
     for out in (advantages, returns):
         assert out.shape == rewards.shape and out.dtype == torch.float32 and not out.requires_grad

@@ -636,11 +636,17 @@ def test_an_unset_optional_value_is_not_checked_against_its_bounds() -> None:
         ("rollout.device_mapping=[0]", "rollout.device_mapping"),
         ("rollout.world_size=2", "rollout.world_size"),
         ("rollout.max_running_requests=4", "rollout.max_running_requests"),
+        ("rollout.prefix_cache_tokens=0", "rollout.prefix_cache_tokens"),
     ],
 )
 def test_hybrid_engine_rejects_options_of_rollout_workers(override: str, key: str) -> None:
     message = load_error(["rollout.hybrid_engine=true", override, "ray.num_gpus=1"])
     assert f"{key}:" in message and "rollout.hybrid_engine=false" in message
+
+
+def test_prefix_reuse_is_an_agentic_option() -> None:
+    message = load_error(["rollout.prefix_cache_tokens=1024"])
+    assert "rollout.prefix_cache_tokens is read by pipeline: agentic" in message
 
 
 def test_hybrid_engine_rejects_another_inference_engine() -> None:

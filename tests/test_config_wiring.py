@@ -48,6 +48,8 @@ COMPANIONS = {
     "gamma": {"advantage_estimator": "gae"},
     "lam": {"advantage_estimator": "gae"},
     "overlong_penalty_factor": {"overlong_buffer": 2},
+    "step_advantage_weight": {"advantage_estimator": "gigpo"},
+    "step_norm": {"advantage_estimator": "gigpo"},
 }
 # ``algorithm`` options the driver reads, not a worker: credit assignment (``roll.pipelines.credit``,
 # tested below) and the RLVR loop's KL controller and reference role (run end to end by
@@ -59,6 +61,8 @@ CREDIT_OPTIONS = (
     "lam",
     "whiten_advantages",
     "advantage_clip",
+    "step_advantage_weight",
+    "step_norm",
 )
 KL_CONTROLLER_OPTIONS = ("kl_coef", "kl_penalty", "kl_target", "kl_horizon")
 
@@ -183,12 +187,19 @@ def test_the_off_policy_correction_resolves_by_the_rollout_mode() -> None:
 
 
 def _credit(algo: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns of a fixed batch (groups of 2, a loss mask with holes, critic values)."""
+    """Advantages and returns of a fixed batch (groups of 2, a loss mask with holes, critic values; for
+    the per-turn estimators, rows are two turns of 4 episodes, two episodes per group)."""
     generator = torch.Generator().manual_seed(0)
     mask = torch.tensor([[1, 1, 0, 1, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]] * 2)
     rewards = torch.rand(mask.shape, generator=generator) * 4 - 1
     values = torch.rand(mask.shape, generator=generator)
-    return compute_advantages(algo, rewards * mask, mask, torch.arange(8) // 2, values)
+    per_turn = {
+        "episode_index": torch.arange(8) // 2,
+        "turn_index": torch.arange(8) % 2,
+        "turn_rewards": (rewards * mask).sum(dim=1),
+        "anchor_index": torch.tensor([0, 1, 0, 2, 3, 4, 3, 5]),  # both episodes of a group start alike
+    }
+    return compute_advantages(algo, rewards * mask, mask, torch.arange(8) // 4, values, per_turn)
 
 
 @pytest.mark.parametrize("field", CREDIT_OPTIONS)

@@ -221,7 +221,8 @@ def test_seeds_of_groups_not_trained_on_are_played_again_after_a_restart() -> No
     assert resumed.next_batch(2)[0]["seed"] == again["seed"]
     # Mid-step state (a worker lost while groups were live) keeps their seeds first, but never the
     # held-out seed of an evaluation cut short.
-    sched._start([sched._new_group(99, 2, training=True), sched._new_group(3, 1, training=False)])
+    params = sched.params
+    sched._start([sched._new_group(99, 2, params, True), sched._new_group(3, 1, params, False)])
     assert sched.state_dict()["pending"][0] == 99 and 3 not in sched.state_dict()["pending"]
 
 
@@ -263,3 +264,29 @@ def test_with_a_merge_prone_tokenizer_the_batch_holds_exactly_the_ids_the_engine
         turns = [ids for rid, ids in sampled.items() if rid.rsplit("t", 1)[0] == episode_id]
         in_order = [sampled[f"{episode_id}t{k}"] for k in range(len(turns))]
         assert batch["response_ids"][row][trained].tolist() == [i for ids in in_order for i in ids]
+
+
+def test_turns_name_their_episode_for_prefix_reuse_and_ended_episodes_are_released() -> None:
+    """Each turn's request carries its episode id (the engine keeps that episode's KV between turns),
+    and every episode is released once it ends, redundant (aborted) ones included: no KV outlives its
+    episode."""
+    released: list[str] = []
+    keys: dict[str, str] = {}
+
+    class Recording(FakeBackend):
+        def submit(self, worker, requests):
+            keys.update({r.request_id: r.cache_key for r in requests})
+            super().submit(worker, requests)
+
+        def release_prefixes(self, worker, cache_keys):
+            released.extend(cache_keys)
+
+    slow = {f"g{g}e2": 100.0 for g in range(2)}
+    backend = Recording(expert(slow=slow))
+    sched, _, _ = scheduler(expert(), groups=2, group_size=2, redundancy=1)
+    sched.backend = backend
+    sched.clock = backend.clock
+    sched.next_batch(1)
+    assert keys and all(request_id.startswith(key + "t") for request_id, key in keys.items())
+    episodes = {f"g{g}e{k}" for g in range(2) for k in range(3)}
+    assert sorted(released) == sorted(episodes)  # each exactly once, the aborted e2s too

@@ -5,6 +5,7 @@ Each family is a registry, so the config selects an entry by name and a new one 
 plus ``@REGISTRY.register("name", **traits)``. Nothing here imports Ray or worker code.
 """
 
+from roll.algorithms import turn_advantages  # noqa: F401  (registers gigpo and step_reinforce)
 from roll.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from roll.algorithms.aggregation import LOSS_AGGREGATIONS, aggregation_count
 from roll.algorithms.filters import GROUP_FILTERS, GroupOutcome, rejecting_filter

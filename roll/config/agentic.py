@@ -1,4 +1,4 @@
-"""`pipeline: agentic` - multi-turn RL in an environment: one episode is one training sample."""
+"""`pipeline: agentic` - multi-turn RL in an environment: one training sample per episode, or per turn."""
 
 from __future__ import annotations
 
@@ -42,6 +42,27 @@ class EnvConfig:
         512, gt=0, help="Prompt and response of an episode together, observations included."
     )
     system_prompt: str | None = option(None, help="System message at the start of every episode.")
+    max_tool_failure_frac: float | None = option(
+        0.5,
+        gt=0,
+        le=1,
+        help="Stop the run when more than this share of the tool calls of the last 5 steps failed (the tool "
+        "raised, timed out or its sandbox failed; judged from 20 calls on), quoting what the failed calls "
+        "returned. Only environments with tools report calls. null: never stop.",
+    )
+    sample_layout: Literal["trajectory", "step_wise"] = option(
+        "trajectory",
+        help="trajectory: one training sample per episode (every turn and observation, the return as its "
+        "score). step_wise: one sample per turn, each turn generated from the current observation and "
+        "env.history_turns earlier turns (for per-turn credit: algorithm.advantage_estimator gigpo or "
+        "step_reinforce).",
+    )
+    history_turns: int = option(
+        0,
+        ge=0,
+        help="step_wise: earlier turns (their actions and observations) a turn sees besides the current "
+        "observation; 0 for a Markov env such as a gridworld.",
+    )
     group_size_redundancy: int = option(
         0,
         ge=0,
@@ -90,7 +111,7 @@ class ExpertWarmStartConfig(SFTTrainConfig):
 
 @dataclass
 class AgenticConfig:
-    """`pipeline: agentic` - trajectory-level RL on multi-turn episodes of an environment."""
+    """`pipeline: agentic` - RL on multi-turn episodes of an environment (trajectory- or step-wise)."""
 
     pipeline: Literal["agentic"] = option("agentic", help="Which pipeline runs this config.")
     run_name: str = option("agentic", help="Name shown in logs.")

@@ -67,6 +67,14 @@ class RolloutConfig:
         help="Most samples one rollout worker decodes at once (continuous batching); more wait and join "
         "as others finish. Bounds the KV cache. Unset: no limit.",
     )
+    prefix_cache_tokens: int = option(
+        65536,
+        ge=0,
+        help="Agentic turns: tokens of KV one rollout worker keeps between the turns of its episodes, so a "
+        "turn prefills only its new tokens instead of the whole episode (least recently kept evicted "
+        "first; freed when an episode ends or the weights change). A token costs 2 x layers x kv_heads "
+        "x head_dim x dtype bytes (12 KiB for a 0.5B bf16 Qwen2.5). 0: no reuse.",
+    )
     group_filters: list[str] = option(
         [],
         help="Dynamic sampling (DAPO): group filters (registry names) a prompt's samples must pass to be "
@@ -171,10 +179,28 @@ class AlgorithmConfig:
     advantage_estimator: str = option(
         "grpo",
         help="Advantage estimator (registry name): grpo, dr_grpo, rloo, reinforce_plus_plus, "
-        "reinforce_plus_plus_baseline, reinforce_baseline, gae (needs a critic).",
+        "reinforce_plus_plus_baseline, reinforce_baseline, gae (needs a critic); with agentic "
+        "env.sample_layout=step_wise: gigpo, step_reinforce.",
     )
     norm_adv_by_std: bool = option(True, help="grpo: divide group-centred rewards by the group std.")
-    gamma: float = option(1.0, gt=0, le=1, help="Discount per token for gae and reinforce_plus_plus returns.")
+    gamma: float = option(
+        1.0,
+        gt=0,
+        le=1,
+        help="Discount per token for gae and reinforce_plus_plus returns; per turn for gigpo and "
+        "step_reinforce step returns (GiGPO's paper: 0.95).",
+    )
+    step_advantage_weight: float = option(
+        1.0,
+        ge=0,
+        help="gigpo: omega, the weight of the step-level (anchor-state) advantage added to the "
+        "episode-level one (0: the episode's group advantage on every turn).",
+    )
+    step_norm: Literal["mean_norm", "mean_std_norm"] = option(
+        "mean_norm",
+        help="gigpo and step_reinforce: subtract the group mean (mean_norm), or also divide by the "
+        "group's std (mean_std_norm).",
+    )
     lam: float = option(
         1.0, ge=0, le=1, help="gae: lambda, the bias/variance trade-off (1: Monte-Carlo returns)."
     )

@@ -265,6 +265,7 @@ def check_algorithm(cfg: RLVRConfig) -> list[str]:
             f"a `critic:` section is set but algorithm.advantage_estimator={estimator} does not use values: "
             "remove the critic section, or use advantage_estimator=gae"
         )
+    problems += check_turn_credit(cfg)
     if not 0 < algo.clip_ratio_low < 1:
         problems.append(f"algorithm.clip_ratio_low must be in (0, 1) (got {algo.clip_ratio_low})")
     if algo.policy_loss == "dual_clip" and not algo.clip_ratio_c > 1:
@@ -288,6 +289,56 @@ def check_algorithm(cfg: RLVRConfig) -> list[str]:
     return problems
 
 
+def check_turn_credit(cfg: RLVRConfig | AgenticConfig) -> list[str]:
+    """Per-turn estimators (gigpo, step_reinforce) need step-wise samples and step-wise samples need
+    them; their options are read by them alone."""
+    from roll.algorithms import ADVANTAGE_ESTIMATORS
+
+    algo = cfg.algorithm
+    estimator = algo.advantage_estimator
+    per_turn = bool(ADVANTAGE_ESTIMATORS.traits(estimator).get("per_turn"))
+    env = getattr(cfg, "env", None)
+    step_wise = env is not None and env.sample_layout == "step_wise"
+    names = ADVANTAGE_ESTIMATORS.names()
+    per_turn_names = [n for n in names if ADVANTAGE_ESTIMATORS.traits(n).get("per_turn")]
+    problems = []
+    if per_turn and not step_wise:
+        where = "set env.sample_layout=step_wise" if env is not None else "use it with pipeline: agentic"
+        problems.append(
+            f"algorithm.advantage_estimator={estimator} credits each turn of an episode and needs one "
+            f"sample per turn: {where}, or pick an estimator for whole samples (grpo, ...)"
+        )
+    if step_wise and not per_turn:
+        problems.append(
+            f"env.sample_layout=step_wise makes one sample per turn, which "
+            f"algorithm.advantage_estimator={estimator} would treat as whole episodes (its group statistics "
+            f"would count long episodes once per turn): use {' or '.join(per_turn_names)}, or "
+            "env.sample_layout=trajectory"
+        )
+    if algo.step_advantage_weight != 1.0 and estimator != "gigpo":
+        problems.append(
+            f"algorithm.step_advantage_weight is read only by advantage_estimator=gigpo (not {estimator}): "
+            "remove it"
+        )
+    if algo.step_norm != "mean_norm" and not per_turn:
+        problems.append(
+            f"algorithm.step_norm is read only by {' and '.join(per_turn_names)} (not {estimator}): remove it"
+        )
+    if step_wise and per_turn:
+        shaping = algo.reward_shaping
+        if algo.kl_penalty == "reward" and algo.kl_coef > 0:
+            problems.append(
+                "algorithm.kl_penalty=reward: per-turn estimators credit the env's turn rewards, not token "
+                "rewards, so a KL in the reward would be ignored; use algorithm.kl_penalty=loss"
+            )
+        if shaping.normalize or shaping.clip is not None:
+            problems.append(
+                "algorithm.reward_shaping.normalize/clip shape sequence scores, which per-turn estimators "
+                "do not read (they credit the env's turn rewards); remove them"
+            )
+    return problems
+
+
 def check_hybrid_engine(cfg: RLVRConfig) -> list[str]:
     """With ``rollout.hybrid_engine`` the actor's ranks generate: options of separate rollout workers
     would be read by nothing."""
@@ -304,6 +355,11 @@ def check_hybrid_engine(cfg: RLVRConfig) -> list[str]:
         )
     if rollout.max_running_requests is not None:
         problems.append(f"rollout.max_running_requests: applies to rollout workers only; unset it or {hint}")
+    if rollout.prefix_cache_tokens != RolloutConfig.__dataclass_fields__["prefix_cache_tokens"].default:
+        problems.append(
+            f"rollout.prefix_cache_tokens: rollout workers keep an episode's KV between turns; the hybrid "
+            f"engine's batch generation keeps none; unset it or {hint}"
+        )
     default_engine = RolloutConfig.__dataclass_fields__["engine"].default
     if rollout.engine != default_engine:
         problems.append(
@@ -421,6 +477,11 @@ def validate_rlvr(cfg: RLVRConfig) -> list[str]:
     )
     problems += check_dynamic_sampling(cfg)
     problems += check_async_generation(cfg)
+    if rollout.prefix_cache_tokens != RolloutConfig.__dataclass_fields__["prefix_cache_tokens"].default:
+        problems.append(
+            "rollout.prefix_cache_tokens is read by pipeline: agentic (an episode's turns extend one "
+            "another); an RLVR response is a single request: remove it"
+        )
     if not cfg.domains:
         problems += check_reward("reward", cfg.reward)
         if cfg.eval_reward is not None:
@@ -444,7 +505,7 @@ def validate_agentic(cfg: AgenticConfig) -> list[str]:
     problems = bounds_and_world_sizes(cfg)
     if problems:
         return problems
-    problems = check_policy_training(cfg)
+    problems = check_policy_training(cfg) + check_async_generation(cfg)
     problems += check_model(cfg.model) + check_tiny_model(cfg.model) + check_tracking(cfg.tracking)
     rollout, env = cfg.rollout, cfg.env
     problems += check_env("env", env.name, env.options)
@@ -467,6 +528,11 @@ def validate_agentic(cfg: AgenticConfig) -> list[str]:
             f"ray.call_timeout_s ({cfg.ray.call_timeout_s:g}): the worker would be taken for lost; lower "
             "env.step_timeout_s or raise ray.call_timeout_s"
         )
+    if env.history_turns and env.sample_layout != "step_wise":
+        problems.append(
+            f"env.history_turns ({env.history_turns}) is read only with env.sample_layout=step_wise (a "
+            "trajectory-wise turn sees the whole episode): set env.sample_layout=step_wise or remove it"
+        )
     if env.max_context_tokens <= rollout.max_new_tokens:
         problems.append(
             f"env.max_context_tokens ({env.max_context_tokens}) leaves no room for a prompt beside one turn "
@@ -482,7 +548,6 @@ def validate_agentic(cfg: AgenticConfig) -> list[str]:
     shaping = cfg.algorithm.reward_shaping
     for key, value in (
         ("rollout.group_filters", rollout.group_filters),
-        ("rollout.async_generation_ratio", rollout.async_generation_ratio),
         ("rollout.max_additional_running_prompts", rollout.max_additional_running_prompts),
         ("rollout.max_prompts_per_step", rollout.max_prompts_per_step),
         ("algorithm.reward_shaping.overlong_buffer", shaping.overlong_buffer),
@@ -490,8 +555,8 @@ def validate_agentic(cfg: AgenticConfig) -> list[str]:
     ):
         if value:
             problems.append(
-                f"{key} is not supported by pipeline: agentic (episodes are scheduled by seed group, "
-                "synchronously; response-length shaping is for single responses); remove it"
+                f"{key} is not supported by pipeline: agentic (episodes are scheduled by seed group; "
+                "response-length shaping is for single responses); remove it"
             )
     warm = cfg.sft_warm_start
     if warm is not None:

@@ -124,3 +124,35 @@ def play(env: TextEnv, agent: Agent, seed: int, max_turns: int) -> Episode:
             return episode
     episode.stop_reason = "max_turns"
     return episode
+
+
+@AGENTS.register("tool_expert")
+class ToolExpert:
+    """Plays ``tool_use``: calls the calculator on the question, then answers with the tool's result. With
+    probability ``noise`` per episode it answers the question at once instead, with a plausible guess
+    that is usually wrong (the product of the factors rounded to their leading digit: 37*48 -> 2000), so
+    that a policy imitating it calls the tool less often than it should and RL has room to improve."""
+
+    def __init__(self, noise: float = 0.0, seed: int = 0):
+        if not 0.0 <= noise <= 1.0:
+            raise ValueError(f"noise must be in [0, 1], got {noise}")
+        self.noise, self.rng = noise, random.Random(seed)
+
+    def act(self, observation: str) -> str:
+        from roll.envs.tool_use import ANSWER, RESULT_PREFIX, parse_question
+
+        if observation.startswith(RESULT_PREFIX):  # the calculator's answer: copy it
+            return ANSWER + observation[len(RESULT_PREFIX) :].strip()
+        question = parse_question(observation)
+        if question is None:  # a tool error (never seen with the calculator on a question): give up
+            return ANSWER + "0"
+        a, b = question
+        if self.rng.random() < self.noise:
+            return ANSWER + str(_leading_digit(a) * _leading_digit(b))
+        return f"c{a}*{b}"
+
+
+def _leading_digit(n: int) -> int:
+    """``n`` rounded to its leading digit (37 -> 40, 150 -> 200, 7 -> 7)."""
+    scale = 10 ** (len(str(n)) - 1)
+    return round(n / scale) * scale

@@ -2,7 +2,9 @@
 
     (optional) imitate a scripted expert's episodes, in exactly the token layout RL samples
     each step: play groups of episodes per training seed (generate -> env step -> generate)
-             -> one sample per episode, its return as the score -> the RL step (GRPO, REINFORCE, PPO)
+             -> trajectory-wise: one sample per episode, its return as the score
+                step-wise: one sample per turn, credited per turn (GiGPO, step_reinforce)
+             -> the RL step (GRPO, REINFORCE, PPO; GiGPO)
     evaluate: one greedy and one sampled episode per held-out seed
 
 The step, the roles (actor, critic, reference, rollout), weight sync and recovery are the shared
@@ -26,6 +28,7 @@ from roll.models.loading import turn_stop_ids
 from roll.pipelines.policy import PolicyPipeline
 from roll.pipelines.preflight import RunInputs
 from roll.pipelines.roles import Role
+from roll.pipelines.worker_specs import mini_batches_per_epoch
 from roll.rollout import RolloutBackend
 from roll.rollout.env_clients import RayEnvs
 from roll.rollout.episode import EpisodeBudget, demonstration
@@ -35,7 +38,7 @@ from roll.workers.environment import EnvSpec, EnvWorker
 
 
 class AgenticPipeline(PolicyPipeline):
-    """Trajectory-level RL on episodes of ``config.env`` (``AgenticConfig``)."""
+    """RL on episodes of ``config.env`` (``AgenticConfig``), trajectory-wise or step-wise."""
 
     config: AgenticConfig
     scheduler_roles = frozenset({"rollout", "environment"})
@@ -45,6 +48,16 @@ class AgenticPipeline(PolicyPipeline):
     def take_inputs(self, inputs: RunInputs) -> None:
         cfg = self.config
         self.seed_order = SeedOrder(make_env(cfg.env.name, cfg.env.options), cfg.eval.seeds)
+
+    @property
+    def rows_vary(self) -> bool:  # step-wise: one row per turn
+        return self.config.env.sample_layout == "step_wise"
+
+    @property
+    def history_turns(self) -> int | None:
+        """The turns of history a step-wise turn sees (None: trajectory-wise, the whole episode)."""
+        env = self.config.env
+        return env.history_turns if env.sample_layout == "step_wise" else None
 
     @property
     def budget_per_episode(self) -> EpisodeBudget:
@@ -61,7 +74,8 @@ class AgenticPipeline(PolicyPipeline):
         warm = self.config.sft_warm_start
         set_activity(f"playing {warm.episodes} episodes of the {warm.expert} agent")
         train = SFTTrainConfig(**{f.name: getattr(warm, f.name) for f in dataclasses.fields(SFTTrainConfig)})
-        rows = RunInputs(self.tokenizer, expert_rows(self.config, self.chat(), self.budget_per_episode), None)
+        played = expert_rows(self.config, self.chat(), self.budget_per_episode, self.history_turns)
+        rows = RunInputs(self.tokenizer, played, None)
         return self.run_sft(rows, train, eval=EvalConfig(every_steps=0))
 
     def extra_roles(self) -> dict[str, Role]:
@@ -78,6 +92,11 @@ class AgenticPipeline(PolicyPipeline):
             budget=self.budget_per_episode,
             redundancy=cfg.env.group_size_redundancy,
             stop_policy=cfg.env.stop_policy(),
+            history_turns=self.history_turns,
+            max_tool_failure_frac=cfg.env.max_tool_failure_frac,
+            async_generation_ratio=cfg.rollout.async_generation_ratio,
+            # Step-wise batches are padded to this many rows: the actor's ranks, then its mini-batches.
+            divisor=cfg.actor.world_size * mini_batches_per_epoch(cfg.actor, episodes_per_step(cfg)),
         )
         envs = RayEnvs(self._live("environment"))
         pad_id = self.tokenizer.pad_token_id
@@ -98,13 +117,31 @@ class AgenticPipeline(PolicyPipeline):
         return metrics
 
 
-def expert_rows(cfg: AgenticConfig, chat: ChatTurns, budget: EpisodeBudget) -> PromptSet:
+def expert_rows(
+    cfg: AgenticConfig, chat: ChatTurns, budget: EpisodeBudget, history_turns: int | None = None
+) -> PromptSet:
     """``sft_warm_start.episodes`` episodes of the expert on the training seeds, as token rows in the
-    layout RL samples (``roll.rollout.episode.demonstration``)."""
+    layout RL samples (``roll.rollout.episode.demonstration``): one row per episode, or step-wise one
+    per turn (the turn's context and its ids)."""
     warm = cfg.sft_warm_start
     env = make_env(cfg.env.name, cfg.env.options)
     agent = make_agent(warm.expert, warm.expert_options, seed=cfg.seed)
     seeds = training_seeds(env, cfg.eval.seeds)
-    played = [demonstration(env, agent, next(seeds), chat, budget) for _ in range(warm.episodes)]
-    rows = [{"response_ids": e.response_ids, "loss_mask": e.loss_mask, "seed": e.seed} for e in played]
-    return PromptSet(rows, [""] * len(rows), [e.prompt_ids for e in played])
+    played = [
+        demonstration(env, agent, next(seeds), chat, budget, history_turns) for _ in range(warm.episodes)
+    ]
+    if history_turns is None:
+        rows = [{"response_ids": e.response_ids, "loss_mask": e.loss_mask, "seed": e.seed} for e in played]
+        return PromptSet(rows, [""] * len(rows), [e.prompt_ids for e in played])
+    rows, prompts = [], []
+    for episode in played:
+        for k, turn in enumerate(episode.turns):
+            ids = episode.response_ids[turn.start : turn.end]
+            rows.append({"response_ids": ids, "loss_mask": [1] * len(ids), "seed": episode.seed})
+            prompts.append(episode.turn_context(k))
+    return PromptSet(rows, [""] * len(rows), prompts)
+
+
+def episodes_per_step(cfg: AgenticConfig) -> int:
+    """Episodes trained on per step (``mini_batch_size`` counts these, also in step-wise runs)."""
+    return cfg.rollout.rollout_batch_size * cfg.rollout.num_return_sequences

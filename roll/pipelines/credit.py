@@ -7,7 +7,7 @@ Glue between ``AlgorithmConfig`` and the pure functions of ``roll.algorithms``; 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -18,6 +18,9 @@ from roll.algorithms.reward_shaping import clip_rewards, length_penalty, normali
 from roll.config.rlvr import AlgorithmConfig, RewardShapingConfig
 from roll.data.masks import last_index
 from roll.utils.registry import accepted_kwargs
+
+# What a step-wise batch (one row per turn) carries for the per-turn estimators.
+PER_TURN_FIELDS = ("episode_index", "turn_index", "turn_rewards", "anchor_index")
 
 
 def shaping_enabled(shaping: RewardShapingConfig) -> bool:
@@ -138,14 +141,20 @@ def compute_advantages(
     loss_mask: torch.Tensor,
     group_index: torch.Tensor,
     values: torch.Tensor | None = None,
+    per_turn: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The configured estimator, then optional whitening and clipping. Returns ``(advantages, returns)``."""
+    """The configured estimator, then optional whitening and clipping. Returns ``(advantages, returns)``.
+
+    ``per_turn``: a step-wise batch's ``PER_TURN_FIELDS``, read by the per-turn estimators (GiGPO)."""
     estimator = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)
     offered = {
         "values": values,
         "gamma": algo.gamma,
         "lam": algo.lam,
         "norm_adv_by_std": algo.norm_adv_by_std,
+        "step_advantage_weight": algo.step_advantage_weight,
+        "step_norm": algo.step_norm,
+        **(per_turn or {}),
     }
     advantages, returns = estimator(
         token_rewards, loss_mask, group_index, **accepted_kwargs(estimator, offered)

@@ -39,6 +39,7 @@ from roll.distributed.ray_utils import init_ray
 from roll.distributed.weight_sync import WeightSync, WeightSyncError
 from roll.pipelines.common import StageTimer, prepare_model, setup_trainer, write_resolved_config
 from roll.pipelines.credit import (
+    PER_TURN_FIELDS,
     advantage_metrics,
     compute_advantages,
     kl_per_token,
@@ -73,6 +74,8 @@ class PolicyPipeline(RunLoop):
     restartable = (WorkerError, WeightSyncError)
     # Roles whose loss the scheduler cannot outlive: it starts again from its state with new workers.
     scheduler_roles: frozenset[str] = frozenset({"rollout"})
+    # A step's batch has a varying number of rows (one per turn: step-wise agentic), see plan_workers.
+    rows_vary = False
 
     def __init__(
         self, config: Any, inputs: RunInputs | None = None, resume: str | None = None, overwrite: bool = False
@@ -175,7 +178,7 @@ class PolicyPipeline(RunLoop):
         cfg = self.config
         set_activity("starting the workers")
         self.before_start()
-        plan = self.plan = plan_workers(cfg, self.model_path)
+        plan = self.plan = plan_workers(cfg, self.model_path, self.rows_vary)
         samples = plan.prompts_per_step * plan.samples_per_prompt
         algo = cfg.algorithm
         # With one optimizer step per rollout batch the "old" policy is the current one: its logprobs
@@ -491,6 +494,8 @@ class PolicyPipeline(RunLoop):
         lengths = batch["response_mask"].sum(dim=1).float()
         mask = loss_mask(batch).float()
         scores = batch["scores"]
+        # Rows that only fill the batch to a divisor (trained on by nobody) stay out of the metrics.
+        real = ~batch["padding"] if "padding" in batch else torch.ones(len(batch), dtype=torch.bool)
         shaped = shape_scores(scores, lengths, algo.reward_shaping, cfg.rollout.max_new_tokens)
         with timer("logprobs"):
             batch = self._forward_passes(batch, metrics)
@@ -503,7 +508,12 @@ class PolicyPipeline(RunLoop):
             token_rewards = token_rewards - self.kl_coef * kl
             metrics["reward/kl"] = masked_mean(kl, mask).item()
         advantages, returns = compute_advantages(
-            algo, token_rewards, mask, batch["group_index"], batch["values"] if self.critic else None
+            algo,
+            token_rewards,
+            mask,
+            batch["group_index"],
+            batch["values"] if self.critic else None,
+            per_turn={key: batch[key] for key in PER_TURN_FIELDS if key in batch},
         )
         batch["advantages"], batch["returns"] = advantages, returns
 
@@ -529,17 +539,18 @@ class PolicyPipeline(RunLoop):
             self._adapt_kl_coef(metrics, len(batch))
 
         step_time = time.perf_counter() - start
-        tokens = float(lengths.sum() + batch["prompt_mask"].sum())
-        group_size = self.plan.samples_per_prompt
-        if group_size > 1:  # with one sample per prompt every "group" trivially agrees
-            metrics["reward/all_same_group_frac"] = _all_same_group_fraction(scores, group_size)
+        tokens = float(lengths[real].sum() + batch["prompt_mask"][real].sum())
+        scores = scores[real]
+        if self.plan.samples_per_prompt > 1:  # with one sample per prompt every "group" trivially agrees
+            groups = batch["group_index"][real]
+            metrics["reward/all_same_group_frac"] = _all_same_group_fraction(scores, groups)
         if shaping_enabled(algo.reward_shaping):
-            metrics["reward/shaped_mean"] = shaped.mean().item()
+            metrics["reward/shaped_mean"] = shaped[real].mean().item()
         metrics.update(self.step_metrics(batch, scores))
         return {
             "reward/mean": scores.mean().item(),
             "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
-            "response/length_mean": lengths.mean().item(),
+            "response/length_mean": lengths[real].mean().item(),
             **advantage_metrics(advantages, returns, mask),
             **metrics,
             **timer.metrics(),
@@ -622,7 +633,10 @@ def _add(metrics: dict[str, float], more: dict[str, float]) -> None:
         metrics[key] = metrics.get(key, 0.0) + value
 
 
-def _all_same_group_fraction(scores: torch.Tensor, group_size: int) -> float:
-    """Share of prompts whose samples all got the same reward: they carry no GRPO learning signal."""
-    groups = scores.view(-1, group_size)
-    return (groups.max(dim=1).values == groups.min(dim=1).values).float().mean().item()
+def _all_same_group_fraction(scores: torch.Tensor, group_index: torch.Tensor) -> float:
+    """Share of groups whose samples all got the same reward: they carry no GRPO learning signal."""
+    _, dense = torch.unique(group_index, return_inverse=True)
+    count = int(dense.max()) + 1
+    high = torch.full((count,), -torch.inf).scatter_reduce(0, dense, scores.float(), "amax")
+    low = torch.full((count,), torch.inf).scatter_reduce(0, dense, scores.float(), "amin")
+    return (high == low).float().mean().item()

@@ -24,7 +24,14 @@ from roll.workers.base import ModelSpec
 from roll.workers.critic import CriticSpec
 from roll.workers.rollout import RolloutSpec
 
-__all__ = ["RLVRWorkerPlan", "device_roles", "from_section", "plan_workers", "updates_per_step"]
+__all__ = [
+    "RLVRWorkerPlan",
+    "device_roles",
+    "from_section",
+    "mini_batches_per_epoch",
+    "plan_workers",
+    "updates_per_step",
+]
 
 SpecT = TypeVar("SpecT")
 
@@ -46,7 +53,12 @@ def device_roles(cfg: RLVRConfig) -> list[RoleDevices]:
 
 def updates_per_step(section: Any, samples: int) -> int:
     """Optimizer steps an ``actor``/``critic`` section makes on one rollout batch of ``samples``."""
-    return section.ppo_epochs * (samples // (section.mini_batch_size or samples))
+    return section.ppo_epochs * mini_batches_per_epoch(section, samples)
+
+
+def mini_batches_per_epoch(section: Any, samples: int) -> int:
+    """Mini-batches (optimizer steps) per epoch over one rollout batch of ``samples``."""
+    return samples // (section.mini_batch_size or samples)
 
 
 @dataclass(frozen=True)
@@ -66,8 +78,13 @@ class RLVRWorkerPlan:
     roles: tuple[RoleDevices, ...]  # devices and world size of each device-holding role
 
 
-def plan_workers(cfg: RLVRConfig, model_path: str) -> RLVRWorkerPlan:
-    """The plan for a run whose initial policy is at ``model_path`` (after any warm start)."""
+def plan_workers(cfg: RLVRConfig, model_path: str, rows_vary: bool = False) -> RLVRWorkerPlan:
+    """The plan for a run whose initial policy is at ``model_path`` (after any warm start).
+
+    ``rows_vary``: a step's batch has as many rows as its episodes have turns (step-wise agentic), not
+    ``rollout_batch_size x num_return_sequences``. ``mini_batch_size`` then counts episodes, and the
+    trainers split every batch into the same number of mini-batches (``mini_batches_per_epoch``), so the
+    LR schedule spans exactly the optimizer steps taken, whatever the episodes' lengths."""
     rollout = cfg.rollout
     model = ModelSpec(path=model_path, dtype=cfg.model.dtype, seed=cfg.seed)
     samples = rollout.rollout_batch_size * rollout.num_return_sequences
@@ -76,10 +93,13 @@ def plan_workers(cfg: RLVRConfig, model_path: str) -> RLVRWorkerPlan:
     def trainer_fields(section: Any) -> dict[str, Any]:
         # The LR schedule spans every optimizer step of the run.
         total = cfg.steps * updates_per_step(section, samples)
-        return {
+        fields = {
             "optimizer": from_section(OptimizerSpec, section, total_steps=total),
             "collective_timeout_s": timeout,
         }
+        if rows_vary:
+            fields["mini_batches_per_epoch"] = mini_batches_per_epoch(section, samples)
+        return fields
 
     actor = from_section(
         ActorSpec,

@@ -83,6 +83,11 @@ class RolloutBackend(abc.ABC):
     def poll(self, timeout_s: float) -> Events:
         """Wait up to ``timeout_s`` for results; returns what arrived (possibly nothing)."""
 
+    def release_prefixes(self, worker: int, cache_keys: Sequence[str]) -> None:  # noqa: B027 - optional hook
+        """Tell rollout worker ``worker`` that the episodes ``cache_keys`` ended, so the KV it keeps for
+        their next turn (``GenerateRequest.cache_key``) is freed now rather than evicted later; returns at
+        once. A backend whose workers keep none (batch generation, fakes) does nothing."""
+
     def drain(self, timeout_s: float) -> None:  # noqa: B027 - optional hook
         """Wait up to ``timeout_s`` for the calls still open and drop what they bring, so that none of
         them takes results meant for a later scheduler on the same workers."""
@@ -218,6 +223,9 @@ class RayBackend(RolloutBackend):
     def abort(self, worker: int, request_ids: Sequence[str]) -> None:
         self.router.abort(worker, request_ids)
 
+    def release_prefixes(self, worker: int, cache_keys: Sequence[str]) -> None:
+        self.router.release_prefixes(worker, cache_keys)
+
     def score(self, jobs: Sequence[ScoreJob]) -> None:
         self.rewards.send(jobs)
 
@@ -240,7 +248,8 @@ class BatchBackend(RolloutBackend):
     """For a ``generator`` cluster with batch ``generate`` only (the actor as hybrid engine): ``poll``
     generates every request sent since the last poll in one call (one call per distinct sampling
     params), then scores pending responses and waits for them (one call per domain's rank). Results
-    carry no weight versions: they come from the generator's current weights."""
+    carry no weight versions: they come from the generator's current weights. Batch generation keeps
+    no KV between calls, so ``release_prefixes`` has nothing to free."""
 
     num_workers = 1
 

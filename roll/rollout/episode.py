@@ -11,6 +11,13 @@ Layout of the finished episode (one training sample, trajectory-wise):
 
 The ids of a turn are the engine's, unchanged; its text is decoded only for the environment to read.
 
+**Step-wise** (``history_turns`` set: one training sample per turn): each turn is generated from a
+window instead of the whole episode: the first prompt rendered around the observation of ``history_turns``
+turns back, then everything the episode holds since that turn (its sampled ids and observations,
+unchanged). With ``history_turns=0`` a turn sees only the current observation (a Markov env needs no
+more). The episode's record is the same in both layouts; ``turn_context(k)`` gives the ids turn ``k``
+was generated from, and a step-wise sample is that context and the turn's sampled ids.
+
 The environment is stepped here (``env`` given: tests, agents in one process) or by the owner
 (``env=None``: the episode scheduler steps many episodes' environments per call on environment workers).
 Then ``start(observation)`` takes the reset's observation, ``add_turn`` returns the action text to step
@@ -18,8 +25,8 @@ with, and ``observe`` takes the step's result.
 
 Budgets are separate and each ends the episode with its own ``StopReason``: ``max_tokens_per_turn``
 (a turn that reaches it without a stop id is ``turn_truncated``; its text is never acted on),
-``max_turns`` and ``max_context_tokens`` (prompt and response together; the next turn would not fit,
-or the next observation would not).
+``max_turns`` and ``max_context_tokens`` (what a turn is generated from plus the turn: the whole episode,
+or step-wise its window; the next turn would not fit, or the next observation would not).
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ class Turn:
     start: int
     end: int  # exclusive
     text: str
+    observation: str = ""  # what the env showed before this turn (its state: GiGPO's anchor)
     reward: float = 0.0
     acted: bool = False  # the env stepped with it (a truncated or aborted turn is never acted on)
     action_is_valid: bool = True
@@ -71,8 +79,19 @@ class Episode:
     """One episode of ``env`` from ``seed``: call ``start``, then alternate ``next_request`` (None once
     the episode ended) and ``add_turn`` (then ``observe``, when the owner steps the env)."""
 
-    def __init__(self, env: TextEnv | None, seed: int, chat: ChatTurns, budget: EpisodeBudget):
+    def __init__(
+        self,
+        env: TextEnv | None,
+        seed: int,
+        chat: ChatTurns,
+        budget: EpisodeBudget,
+        history_turns: int | None = None,
+    ):
         self.env, self.seed, self.chat, self.budget = env, seed, chat, budget
+        self.history_turns = history_turns  # None: trajectory-wise (a turn sees the whole episode)
+        if history_turns is not None and history_turns < 0:
+            raise ValueError(f"history_turns must be >= 0 or None, got {history_turns}")
+        self.observation = ""  # the env's latest observation (the last one, once the episode ended)
         self.prompt_ids: list[int] = []
         self.response_ids: list[int] = []
         self.loss_mask: list[int] = []
@@ -93,6 +112,7 @@ class Episode:
             except Exception as error:  # noqa: BLE001 - an env failure costs the episode, never the run
                 self._end(StopReason.ENV_ERROR, error)
                 return
+        self.observation = observation
         self.prompt_ids = self.chat.first_prompt(observation)
         if len(self.prompt_ids) >= self.budget.max_context_tokens:
             self._end(StopReason.CONTEXT_LIMIT)
@@ -102,13 +122,25 @@ class Episode:
         return self.stop_reason is not None
 
     def next_request(self) -> tuple[list[int], int] | None:
-        """The ids the next turn is generated from (the whole episode so far) and its token budget, or
-        None when the episode has ended."""
+        """The ids the next turn is generated from (the whole episode so far, or step-wise its window) and
+        its token budget, or None when the episode has ended."""
         if self.done:
             return None
-        context = self.prompt_ids + self.response_ids
+        context = self.turn_context(len(self.turns))
         room = self.budget.max_context_tokens - len(context)
         return context, min(self.budget.max_tokens_per_turn, room)
+
+    def turn_context(self, k: int) -> list[int]:
+        """The ids turn ``k`` is (or, for the next turn, will be) generated from: the whole episode before
+        it, or step-wise the first prompt around the observation ``history_turns`` turns back followed by
+        the episode's ids from that turn on (token for token as recorded)."""
+        end = self.turns[k].start if k < len(self.turns) else len(self.response_ids)
+        first = k - self.history_turns if self.history_turns is not None else 0
+        if first <= 0:
+            return self.prompt_ids + self.response_ids[:end]
+        observation = self.turns[first].observation if first < len(self.turns) else self.observation
+        start = self.turns[first].start if first < len(self.turns) else end
+        return self.chat.first_prompt(observation) + self.response_ids[start:end]
 
     def add_turn(
         self, token_ids: list[int], logprobs: list[float], versions: list[int], finish_reason: str
@@ -124,9 +156,8 @@ class Episode:
         self._append(token_ids, trained=True, logprobs=logprobs, versions=versions)
         self._closed = bool(token_ids) and token_ids[-1] in self.chat.end_of_turn_ids
         text_ids = token_ids[:-1] if self._closed else token_ids
-        turn = Turn(
-            start, len(self.response_ids), self.chat.tokenizer.decode(text_ids, skip_special_tokens=True)
-        )
+        text = self.chat.tokenizer.decode(text_ids, skip_special_tokens=True)
+        turn = Turn(start, len(self.response_ids), text, observation=self.observation)
         self.turns.append(turn)
         if finish_reason == "abort":
             self._end(StopReason.ABORTED)
@@ -155,6 +186,7 @@ class Episode:
         turn.acted = True
         turn.reward, turn.action_is_valid = float(reward), bool(info.get("action_is_valid", True))
         turn.metrics = dict(info.get("metrics", {}))
+        self.observation = observation
         if terminated or truncated:
             self._end(StopReason.ENV_DONE)
             return
@@ -162,11 +194,11 @@ class Episode:
             self._end(StopReason.MAX_TURNS)
             return
         observed = self.chat.observation_ids(observation, turn_closed=self._closed)
-        # The observation and at least one token of the next turn must fit.
-        if len(self.prompt_ids) + len(self.response_ids) + len(observed) + 1 > self.budget.max_context_tokens:
-            self._end(StopReason.CONTEXT_LIMIT)
-            return
         self._append(observed, trained=False, logprobs=[0.0] * len(observed), versions=[-1] * len(observed))
+        # The next turn's context (with this observation) and at least one token of the turn must fit.
+        if len(self.turn_context(len(self.turns))) + 1 > self.budget.max_context_tokens:
+            self._drop_last(len(observed))
+            self._end(StopReason.CONTEXT_LIMIT)
 
     def end(self, reason: StopReason, error: BaseException | None = None) -> None:
         """End the episode from outside (an env timeout, an abort) if it has not ended."""
@@ -206,19 +238,30 @@ class Episode:
         self.logprobs += logprobs
         self.versions += versions
 
+    def _drop_last(self, n: int) -> None:
+        for ids in (self.response_ids, self.loss_mask, self.logprobs, self.versions):
+            del ids[len(ids) - n :]
+
     def _end(self, reason: StopReason, error: BaseException | None = None) -> None:
         self.stop_reason = reason
         if error is not None:
             self.error = f"{type(error).__name__}: {error}"
 
 
-def demonstration(env: TextEnv, agent: Any, seed: int, chat: ChatTurns, budget: EpisodeBudget) -> Episode:
+def demonstration(
+    env: TextEnv,
+    agent: Any,
+    seed: int,
+    chat: ChatTurns,
+    budget: EpisodeBudget,
+    history_turns: int | None = None,
+) -> Episode:
     """An agent's episode in exactly the layout RL samples (the SFT warm start imitates it): each action
     is the agent's text encoded alone and closed by the first end-of-turn id, as a policy would sample
     it; observations come from the chat template as in RL. A turn that does not fit ends the episode."""
     end_of_turn = chat.end_turn_id
     observation, _ = env.reset(seed)
-    episode = Episode(None, seed, chat, budget)
+    episode = Episode(None, seed, chat, budget, history_turns)
     episode.start(observation)
     while (request := episode.next_request()) is not None:
         ids = [*chat.tokenizer.encode(agent.act(observation), add_special_tokens=False), end_of_turn]

@@ -1,12 +1,15 @@
 """The episode scheduler: owns each episode's lifecycle (generate -> env step -> generate) and hands the
-agentic pipeline full training batches, one episode per sample.
+agentic pipeline full training batches: one sample per episode, or step-wise one per turn
+(``roll.rollout.episode_batch``).
 
-- **No barrier between episodes.** Each turn is one engine request carrying the episode so far, sent as
-  soon as the episode's last observation is in; whichever turns come back are stepped in their
-  environments together (one call per environment worker), and their next turns go out at once.
+- **No barrier between episodes.** Each turn is one engine request carrying the episode so far (or its
+  step-wise window), sent as soon as the episode's last observation is in; whichever turns come back are
+  stepped in their environments together (one call per environment worker), and their next turns go out
+  at once.
 - **Groups.** The episodes of one seed form a group of ``group_size`` (GRPO compares them).
   ``redundancy`` starts extra episodes per group; the first ``group_size`` to end complete it and the
-  rest are aborted.
+  rest are aborted. A batch takes the first ``groups_per_step`` groups *in the order their seeds were
+  drawn*, once all of them are complete: taking groups as they complete would favour short episodes.
 - **Failures.** An environment that raises or hangs has been retried once by its pool (see
   ``roll.envs.pool``); if it failed again, its episode is dropped. A group that can no longer complete
   is dropped and a new seed is drawn in its place: no env failure stops the run, and the counters
@@ -14,6 +17,14 @@ agentic pipeline full training batches, one episode per sample.
   far more groups fail than a step wants does the step stop, naming the env's last error.
 - **Stop reasons.** ``stop_policy`` says per reason whether an episode is trained on as is (``train``),
   kept in its group's baseline with no token trained (``mask``), or trained with return 0 (``zero``).
+- **Synchronous** (``async_generation_ratio`` 0): episodes are played only inside ``next_batch``;
+  nothing generates or steps while the actor trains.
+- **Asynchronous** (ratio r > 0): a background thread keeps playing the groups of the next r steps
+  while the actor trains, generating turns and stepping environments alike. Every token records the
+  weights version that sampled it, so a turn may start on newer weights than the turn before it; once
+  the weights move to version v (``set_weights_version``), a group holding a token older than v - r (or,
+  before its first token, started before then) is aborted and its seed drawn again: no trained episode
+  is more than r versions old.
 
 Like ``RolloutScheduler`` it talks to the workers through a ``RolloutBackend`` (and the environments
 through an ``EnvClient``), so tests drive it with fakes and no Ray.
@@ -23,21 +34,22 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from roll.data.batch import Batch
 from roll.data.chat_turns import ChatTurns
-from roll.data.padding import left_pad, right_pad
 from roll.envs.pool import ERROR, OK, EnvResult
 from roll.envs.seeds import SeedOrder
 from roll.rollout.backend import RolloutBackend
 from roll.rollout.env_clients import EnvClient
-from roll.rollout.episode import Episode, EpisodeBudget, StopReason, Turn
+from roll.rollout.episode import Episode, EpisodeBudget, StopReason
+from roll.rollout.episode_batch import trajectory_batch, turn_batch
+from roll.rollout.episode_metrics import episode_metrics
+from roll.rollout.tool_calls import ToolFailureMonitor
 from roll.strategies.infer.base import GenerateRequest
 from roll.strategies.sampling import SamplingParams
 
@@ -45,21 +57,25 @@ __all__ = ["EpisodeScheduler", "EpisodeSpec", "episode_metrics"]
 
 # How long a poll for turns waits while env steps are out too (their results are taken after it).
 ENV_POLL_S = 0.005
-# At most this many distinct actions get a histogram entry (a policy writing free text would make one
-# per turn); the rest are counted under actions/other.
-MAX_ACTION_KEYS = 16
 
 
 @dataclass(frozen=True)
 class EpisodeSpec:
     """What one step gathers: ``groups_per_step`` groups of ``group_size`` episodes (``redundancy``
-    extra started per group), each within ``budget``."""
+    extra started per group), each within ``budget``. ``history_turns`` None: one sample per episode;
+    a number: one sample per turn, each turn generated from that many turns of history (step-wise), the
+    batch padded to a multiple of ``divisor`` rows. ``async_generation_ratio``: steps played ahead while
+    the actor trains (0: synchronous)."""
 
     groups_per_step: int
     group_size: int
     budget: EpisodeBudget
     redundancy: int = 0
     stop_policy: Mapping[str, str] = field(default_factory=dict)  # stop reason -> train, mask or zero
+    history_turns: int | None = None
+    divisor: int = 1
+    max_tool_failure_frac: float | None = None  # stop when more tool calls fail (ToolFailureMonitor)
+    async_generation_ratio: int = 0
 
     @property
     def max_dropped_groups(self) -> int:
@@ -73,9 +89,19 @@ class _Group:
     seed: int
     episodes: dict[str, Episode]
     worker: int
+    params: SamplingParams
     training: bool  # a training seed's group (not a held-out episode of the evaluation)
+    size: int  # episodes that complete it
+    start_version: int  # the weights version when it started
     ended: list[str] = field(default_factory=list)  # episodes that ended as samples, in order
+    released: set[str] = field(default_factory=set)  # episodes whose kept KV the engine was told to free
     closed: bool = False
+    complete: bool = False
+
+    def oldest_version(self) -> int:
+        """The oldest weights version of any token it sampled (its start version before the first)."""
+        versions = [v for e in self.episodes.values() for v in e.versions if v >= 0]
+        return min(versions, default=self.start_version)
 
 
 class EpisodeScheduler:
@@ -85,7 +111,7 @@ class EpisodeScheduler:
         backend: generation on the rollout workers (its ``score`` is never used: the env scores).
         envs: the environments of the live episodes.
         chat: the tokenizer's chat template, turn by turn.
-        spec: groups per step, group size, redundancy, budgets, stop policy.
+        spec: groups per step, group size, redundancy, budgets, stop policy, layout, async ratio.
         params: sampling parameters of a training turn (``max_new_tokens``: the per-turn budget).
         seeds: the training seeds' order.
         pad_id: the tokenizer's pad id.
@@ -112,109 +138,192 @@ class EpisodeScheduler:
         self.weights_version = 0
         self._next_group = 0
         self._requests: dict[str, tuple[_Group, str]] = {}  # request id -> (group, episode id)
-        self._live: list[_Group] = []
+        self._live: list[_Group] = []  # groups playing, in draw order
+        self._to_start: list[_Group] = []  # evaluation groups waiting for the next pump
+        self._complete: list[_Group] = []  # complete training groups not yet in a batch
         self._group_of: dict[str, _Group] = {}  # live episode id -> its group
         self._stepping: dict[str, float] = {}  # episode id -> when its env step was sent
         self._counts: collections.Counter[str] = collections.Counter()
         self._env_seconds: list[float] = []
+        self._tools = ToolFailureMonitor(spec.max_tool_failure_frac)
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._waiting = False  # a next_batch call wants a batch
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
 
     # ----- the pipeline's calls ------------------------------------------------------------------------
 
     def next_batch(self, step: int) -> tuple[Batch, dict[str, float]]:
         """The next training batch (``groups_per_step`` complete groups) and its episode metrics."""
-        self._counts.clear()
-        self._env_seconds.clear()
-        spec = self.spec
-        groups = self._run(
-            [
-                self._new_group(self.seeds.next(), spec.group_size + spec.redundancy, training=True)
-                for _ in range(spec.groups_per_step)
-            ],
-            spec.groups_per_step,
-            self.params,
-            spec.group_size,
-            replace=lambda: self._new_group(self.seeds.next(), spec.group_size + spec.redundancy, True),
-        )
-        rows = [(group, eid) for group in groups for eid in group.ended[: spec.group_size]]
-        episodes = [group.episodes[eid] for group, eid in rows]
-        group_index = [i for i, _ in enumerate(groups) for _ in range(spec.group_size)]
-        batch = self._assemble(episodes, group_index)
-        batch["episode_id"] = [eid for _, eid in rows]
-        return batch, self._metrics(episodes)
+        with self._lock:
+            self._waiting = True
+        try:
+            if self.spec.async_generation_ratio and self._thread is None:
+                self._thread = threading.Thread(target=self._pump_forever, name="episodes", daemon=True)
+                self._thread.start()
+            groups = self._until(self._take_batch)
+        finally:
+            with self._lock:
+                self._waiting = False
+        with self._lock:
+            return self._batch(groups)
 
     def play(self, seeds: Sequence[int], params: SamplingParams) -> list[Episode]:
         """One episode per seed (held-out evaluation), in seed order; an episode whose env failed is
-        returned as it ended (``failed``)."""
-        groups = [self._new_group(seed, 1, training=False) for seed in seeds]
-        self._run(groups, len(groups), params, 1, replace=None)
+        returned as it ended (``failed``). With asynchronous training, training episodes play on beside
+        them."""
+        with self._lock:
+            groups = [self._new_group(seed, 1, params, training=False) for seed in seeds]
+            self._to_start += groups  # started by the pumping thread: it alone talks to the workers
+        self._until(lambda: all(group.closed for group in groups) or None)
         return [next(iter(group.episodes.values())) for group in groups]
 
     def set_weights_version(self, version: int) -> None:
-        self.weights_version = version
+        """The rollout workers now hold weights ``version``: older in-flight work may become stale."""
+        with self._lock:
+            self.weights_version = version
+            self._changed.notify_all()
 
     def state_dict(self) -> dict[str, Any]:
         """The seed cursor; the seeds of groups drawn and not trained on are drawn again first (never a
         held-out seed of an evaluation cut short)."""
-        state = self.seeds.state_dict()
-        state["pending"] = [group.seed for group in self._live if group.training] + state["pending"]
-        return state
+        with self._lock:
+            state = self.seeds.state_dict()
+            drawn = sorted([g for g in self._live if g.training] + self._complete, key=lambda g: g.group_id)
+            state["pending"] = [group.seed for group in drawn] + state["pending"]
+            return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self._live:
-            raise RuntimeError("load_state_dict must come before the scheduler plays any episode")
-        self.seeds.load_state_dict(state)
+        with self._lock:
+            if self._live or self._complete:
+                raise RuntimeError("load_state_dict must come before the scheduler plays any episode")
+            self.seeds.load_state_dict(state)
 
     def close(self) -> None:
-        """Abort every turn in flight and close the live episodes' environments, as far as the workers
-        still answer (after a loss, or at shutdown, they may be gone)."""
-        for group in list(self._live):
-            try:
-                self._close(group)
-            except Exception:  # noqa: BLE001 - a lost worker is the pipeline's to replace, not close's
-                self._live = [g for g in self._live if g is not group]
+        """Stop the background thread, abort every turn in flight and close the live episodes'
+        environments, as far as the workers still answer (after a loss, or at shutdown, they may be gone)."""
+        with self._lock:
+            self._closed = True
+            self._changed.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        with self._lock:
+            for group in list(self._live):
+                try:
+                    self._close(group)
+                except Exception:  # noqa: BLE001 - a lost worker is the pipeline's to replace, not close's
+                    self._live = [g for g in self._live if g is not group]
 
-    # ----- playing ---------------------------------------------------------------------------------------
+    # ----- pumping ---------------------------------------------------------------------------------------
 
-    def _new_group(self, seed: int, episodes: int, training: bool) -> _Group:
+    def _until(self, ready: Callable[[], Any]) -> Any:
+        """Pump (or, asynchronously, wait for the pumping thread) until ``ready()`` returns a value."""
+        while True:
+            with self._changed:
+                if self._error is not None:
+                    # The worker's own error, not a wrapper: the pipeline recovers from a lost worker by
+                    # its type, and it names the role, rank and method already.
+                    raise self._error
+                value = ready()
+                if value is not None:
+                    return value
+                if self._thread is not None:
+                    self._changed.wait(1.0)
+                    continue
+            self._pump()
+
+    def _pump_forever(self) -> None:
+        try:
+            while not self._closed:
+                self._pump()
+        except BaseException as error:  # noqa: BLE001 - handed to the pipeline's next_batch
+            with self._lock:
+                self._error = error
+                self._changed.notify_all()
+
+    def _pump(self) -> None:
+        """One round: drop stale groups, draw the groups wanted, send the turns waiting, wait for turns
+        or env steps to come back, and react to them."""
+        with self._lock:
+            self._drop_stale()
+            starting, self._to_start = self._to_start, []
+            self._start(starting)
+            self._draw()
+            self._send()
+            generating = bool(self._requests)
+        touched = []
+        if generating or not self.envs.pending:
+            # Turns are generating: wait for them, then take whatever env steps came back meanwhile.
+            events = self.backend.poll(self.poll_s if not self.envs.pending else ENV_POLL_S)
+            with self._lock:
+                touched += self._on_generated(events.generated)
+            stepped = self.envs.poll(0.0)
+        else:  # only env steps are out: wait for them
+            stepped = self.envs.poll(self.poll_s)
+        with self._lock:
+            touched += self._on_stepped(stepped)
+            self._settle(dict.fromkeys(touched))
+            self._changed.notify_all()
+
+    def _draw(self) -> None:
+        """Start training groups until enough are live or complete for the batches wanted: the one
+        ``next_batch`` waits for, and the next ``async_generation_ratio`` ones."""
+        spec = self.spec
+        wanted = (spec.async_generation_ratio + int(self._waiting)) * spec.groups_per_step
+        have = sum(group.training for group in self._live) + len(self._complete)
+        if wanted > have:
+            size = spec.group_size + spec.redundancy
+            seeds = [self.seeds.next() for _ in range(wanted - have)]
+            self._start([self._new_group(seed, size, self.params, training=True) for seed in seeds])
+
+    def _new_group(self, seed: int, episodes: int, params: SamplingParams, training: bool) -> _Group:
         group_id = self._next_group
         self._next_group += 1
         ids = [f"{self.id_prefix}g{group_id}e{k}" for k in range(episodes)]
         return _Group(
             group_id,
             seed,
-            {eid: Episode(None, seed, self.chat, self.spec.budget) for eid in ids},
+            {eid: Episode(None, seed, self.chat, self.spec.budget, self.spec.history_turns) for eid in ids},
             worker=group_id % self.backend.num_workers,
+            params=params,
             training=training,
+            size=self.spec.group_size if training else 1,
+            start_version=self.weights_version,
         )
 
-    def _run(
-        self,
-        groups: list[_Group],
-        wanted: int,
-        params: SamplingParams,
-        group_size: int,
-        replace: Callable[[], _Group] | None,
-    ) -> list[_Group]:
-        """Play ``groups`` until ``wanted`` are complete (``group_size`` episodes ended in each), drawing
-        a new group for each one dropped when ``replace`` is given; returns the complete ones in the
-        order they completed."""
-        complete: list[_Group] = []
-        self._start(groups)
-        self._settle(groups, complete, group_size, replace)
-        while len(complete) < wanted:
-            if not self._live:
-                break  # evaluation: every group ended (failed ones included)
-            self._send(params)
-            touched: list[_Group] = []
-            if self._requests or not self.envs.pending:
-                # Turns are generating: wait for them, then take whatever env steps came back meanwhile.
-                events = self.backend.poll(self.poll_s if not self.envs.pending else ENV_POLL_S)
-                touched += self._on_generated(events.generated)
-                touched += self._on_stepped(self.envs.poll(0.0))
-            else:  # only env steps are out: wait for them
-                touched += self._on_stepped(self.envs.poll(self.poll_s))
-            self._settle(dict.fromkeys(touched), complete, group_size, replace)
-        return complete
+    def _start(self, groups: list[_Group]) -> None:
+        """Reset the groups' environments (one call per env worker) and settle those that failed."""
+        self._live += groups
+        self._group_of.update({eid: group for group in groups for eid in group.episodes})
+        requests = [(eid, group.seed) for group in groups for eid in group.episodes]
+        for result in self.envs.reset(requests):
+            group = self._group_of[result.episode_id]
+            episode = group.episodes[result.episode_id]
+            self._count_env(result, group)
+            if result.status == OK:
+                episode.start(result.observation)
+            else:
+                episode.end(_failure(result), RuntimeError(result.error))
+        self._settle(groups)
+
+    def _send(self) -> None:
+        """The next turn of every live episode waiting for one."""
+        in_flight = {eid for _, eid in self._requests.values()}
+        by_worker: dict[int, list[GenerateRequest]] = collections.defaultdict(list)
+        for group in self._live:
+            for eid, episode in group.episodes.items():
+                if eid in in_flight or eid in self._stepping or episode.done:
+                    continue
+                context, room = episode.next_request()
+                request_id = f"{eid}t{len(episode.turns)}"
+                # The episode id keys the engine's kept KV: turn k prefills only what follows turn k-1.
+                request = GenerateRequest(request_id, context, _within(group.params, room), cache_key=eid)
+                by_worker[group.worker].append(request)
+                self._requests[request_id] = (group, eid)
+        for worker, requests in by_worker.items():
+            self.backend.submit(worker, requests)
 
     def _on_generated(self, results: list[Any]) -> list[_Group]:
         """Append each finished turn to its episode and send the env steps of those that go on."""
@@ -244,9 +353,10 @@ class EpisodeScheduler:
             sent = self._stepping.pop(result.episode_id, None)
             if group is None or sent is None:
                 continue  # the group ended meanwhile (its other episodes completed it)
-            self._env_seconds.append(now - sent)
+            if group.training:
+                self._env_seconds.append(now - sent)
             episode = group.episodes[result.episode_id]
-            self._count_env(result)
+            self._count_env(result, group)
             if result.status == OK:
                 episode.observe(
                     result.observation, result.reward, result.terminated, result.truncated, result.info
@@ -256,55 +366,28 @@ class EpisodeScheduler:
             touched.append(group)
         return touched
 
-    def _start(self, groups: list[_Group]) -> None:
-        self._live += groups
-        self._group_of.update({eid: group for group in groups for eid in group.episodes})
-        requests = [(eid, group.seed) for group in groups for eid in group.episodes]
-        for result in self.envs.reset(requests):
-            episode = self._episode(result.episode_id)
-            self._count_env(result)
-            if result.status == OK:
-                episode.start(result.observation)
-            else:
-                episode.end(_failure(result), RuntimeError(result.error))
-
-    def _send(self, params: SamplingParams) -> None:
-        """The next turn of every live episode waiting for one."""
-        in_flight = {eid for _, eid in self._requests.values()}
-        by_worker: dict[int, list[GenerateRequest]] = collections.defaultdict(list)
-        for group in self._live:
-            for eid, episode in group.episodes.items():
-                if eid in in_flight or eid in self._stepping or episode.done:
-                    continue
-                context, room = episode.next_request()
-                request_id = f"{eid}t{len(episode.turns)}"
-                by_worker[group.worker].append(GenerateRequest(request_id, context, _within(params, room)))
-                self._requests[request_id] = (group, eid)
-        for worker, requests in by_worker.items():
-            self.backend.submit(worker, requests)
-
-    def _settle(
-        self,
-        groups: Any,
-        complete: list[_Group],
-        group_size: int,
-        replace: Callable[[], _Group] | None,
-    ) -> None:
+    def _settle(self, groups: Any) -> None:
         """Note the episodes of ``groups`` that ended; close the groups that completed or can no longer
-        complete (drawing replacements)."""
+        complete (a training group's seed is then replaced by the next draw)."""
         for group in list(groups):
             if group.closed:
                 continue
+            ended = [eid for eid, e in group.episodes.items() if e.done and eid not in group.released]
+            if ended:  # the KV the engine kept for their next turn is freed now
+                self.backend.release_prefixes(group.worker, ended)
+                group.released.update(ended)
             for eid, episode in group.episodes.items():
                 if episode.done and eid not in group.ended and not episode.failed:
                     group.ended.append(eid)
             failed = sum(episode.failed for episode in group.episodes.values())
-            if len(group.ended) >= group_size:
+            if len(group.ended) >= group.size:
                 self._close(group)
-                complete.append(group)
-            elif len(group.episodes) - failed < group_size:
+                group.complete = True
+                if group.training:
+                    self._complete.append(group)
+            elif len(group.episodes) - failed < group.size:
                 self._close(group)
-                if replace is None:  # evaluation keeps the failed episode
+                if not group.training:  # evaluation keeps the failed episode
                     continue
                 self._counts["dropped_groups"] += 1
                 if self._counts["dropped_groups"] > self.spec.max_dropped_groups:
@@ -313,9 +396,6 @@ class EpisodeScheduler:
                         f"{self._counts['dropped_groups']} episode groups were dropped in one step because "
                         f"their environment failed; the last error: {errors[-1] if errors else 'unknown'}"
                     )
-                fresh = replace()
-                self._start([fresh])
-                self._settle([fresh], complete, group_size, replace)
 
     def _close(self, group: _Group) -> None:
         """End the group: abort its turns in flight, end its unfinished episodes (redundant ones, or those
@@ -329,18 +409,38 @@ class EpisodeScheduler:
             self.backend.abort(group.worker, aborted)
         # Episodes still generating or waiting for their env: their results will be ignored.
         unfinished = [episode for episode in group.episodes.values() if not episode.done]
+        kept = [eid for eid in group.episodes if eid not in group.released]
+        if kept:
+            self.backend.release_prefixes(group.worker, kept)
         for episode in unfinished:
             episode.end(StopReason.ABORTED)
-        self._counts["aborted_episodes"] += len(unfinished)
+        if group.training:
+            self._counts["aborted_episodes"] += len(unfinished)
         self.envs.close(list(group.episodes))
         for eid in group.episodes:
             self._group_of.pop(eid, None)
             self._stepping.pop(eid, None)
 
-    def _episode(self, episode_id: str) -> Episode:
-        return self._group_of[episode_id].episodes[episode_id]
+    def _is_stale(self, group: _Group) -> bool:
+        ratio = self.spec.async_generation_ratio
+        return bool(ratio) and group.training and group.oldest_version() < self.weights_version - ratio
 
-    def _count_env(self, result: EnvResult) -> None:
+    def _drop_stale(self) -> None:
+        """Abort the groups (playing or complete) holding tokens older than the staleness bound; their
+        seeds are drawn again first, in draw order."""
+        stale = [g for g in [*self._live, *self._complete] if self._is_stale(g)]
+        for group in stale:
+            if not group.closed:
+                self._close(group)
+            else:
+                self._complete.remove(group)
+        self.seeds.pending.extendleft(group.seed for group in sorted(stale, key=lambda g: -g.group_id))
+        self._counts["stale_groups"] += len(stale)
+
+    def _count_env(self, result: EnvResult, group: _Group) -> None:
+        """Count a training episode's env call (evaluation's would blur the step's rates)."""
+        if not group.training:
+            return
         self._counts["env_calls"] += 1
         self._counts["env_retried"] += result.retried
         if result.status != OK:
@@ -348,49 +448,49 @@ class EpisodeScheduler:
 
     # ----- the batch -------------------------------------------------------------------------------------
 
-    def _assemble(self, episodes: list[Episode], group_index: list[int]) -> Batch:
-        """One row per episode: the prompt left-padded, the response (turns and observations)
-        right-padded, the loss mask on the sampled tokens, the score its return (after the stop
-        policy)."""
-        policy = self.spec.stop_policy
-        prompt_ids, prompt_mask = left_pad([e.prompt_ids for e in episodes], self.pad_id)
-        response_ids, response_mask = right_pad(
-            [e.response_ids or [self.pad_id] for e in episodes], self.pad_id
-        )
-        width = response_ids.shape[1]
-        trained = torch.zeros(len(episodes), width, dtype=response_mask.dtype)
-        logprobs = torch.zeros(len(episodes), width)
-        scores = []
-        for row, episode in enumerate(episodes):
-            rule = policy.get(episode.stop_reason.value, "train")
-            n = len(episode.response_ids)
-            if rule != "mask":
-                trained[row, :n] = torch.tensor(episode.loss_mask, dtype=trained.dtype)
-            logprobs[row, :n] = torch.tensor(episode.logprobs)
-            scores.append(0.0 if rule == "zero" else episode.episode_return)
-            if n == 0:
-                response_mask[row] = 0
-        return Batch(
-            tensors={
-                "prompt_ids": prompt_ids,
-                "prompt_mask": prompt_mask,
-                "response_ids": response_ids,
-                "response_mask": response_mask,
-                "loss_mask": trained,
-                "rollout_logprobs": logprobs,
-                "group_index": torch.tensor(group_index),
-                "scores": torch.tensor(scores, dtype=torch.float32),
-            },
-            non_tensors={
-                "seed": [e.seed for e in episodes],
-                "stop_reason": [e.stop_reason.value for e in episodes],
-                "token_rewards": [None] * len(episodes),
-            },
-        )
+    @property
+    def batch_ready(self) -> bool:
+        """Whether ``next_batch`` would return at once (asynchronously: the next batch was played ahead)."""
+        with self._lock:
+            return self._next_groups() is not None
+
+    def _next_groups(self) -> list[_Group] | None:
+        """The first ``groups_per_step`` training groups in draw order, once all of them are complete and
+        none is stale (the pumping thread drops those first); None while not ready."""
+        drawn = sorted([g for g in self._live if g.training] + self._complete, key=lambda g: g.group_id)
+        first = drawn[: self.spec.groups_per_step]
+        if len(first) < self.spec.groups_per_step or not all(g.complete for g in first):
+            return None
+        return None if any(self._is_stale(g) for g in first) else first
+
+    def _take_batch(self) -> list[_Group] | None:
+        first = self._next_groups()
+        for group in first or []:
+            self._complete.remove(group)
+        return first
+
+    def _batch(self, groups: list[_Group]) -> tuple[Batch, dict[str, float]]:
+        spec = self.spec
+        rows = [(group, eid) for group in groups for eid in group.ended[: spec.group_size]]
+        episodes = [group.episodes[eid] for group, eid in rows]
+        group_index = [i for i, _ in enumerate(groups) for _ in range(spec.group_size)]
+        ids = [eid for _, eid in rows]
+        self._tools.observe(episodes)
+        metrics = self._metrics(episodes)
+        if spec.history_turns is None:
+            return trajectory_batch(episodes, group_index, ids, spec.stop_policy, self.pad_id), metrics
+        batch = turn_batch(episodes, group_index, ids, spec.stop_policy, self.pad_id, spec.divisor)
+        metrics["rollout/turn_samples"] = float((~batch["padding"]).sum())
+        metrics["rollout/padding_samples"] = float(batch["padding"].sum())
+        return batch, metrics
 
     def _metrics(self, episodes: list[Episode]) -> dict[str, float]:
+        """The batch's episode metrics, and what the env calls, drops and aborts since the last batch."""
         metrics = episode_metrics(episodes, "episode")
         counts, calls = self._counts, max(self._counts["env_calls"], 1)
+        # How many weights versions behind the current one each episode's oldest token is.
+        oldest = [min((v for v in e.versions if v >= 0), default=self.weights_version) for e in episodes]
+        staleness = [self.weights_version - version for version in oldest]
         metrics.update(
             {
                 "env/error_frac": counts["env_errors"] / calls,
@@ -400,47 +500,14 @@ class EpisodeScheduler:
                 "env/step_s": sum(self._env_seconds) / max(len(self._env_seconds), 1),
                 "rollout/dropped_groups": float(counts["dropped_groups"]),
                 "rollout/aborted_episodes": float(counts["aborted_episodes"]),
+                "rollout/stale_groups": float(counts["stale_groups"]),
+                "rollout/staleness_mean": sum(staleness) / max(len(staleness), 1),
+                "rollout/staleness_max": float(max(staleness, default=0)),
             }
         )
+        self._counts.clear()
+        self._env_seconds.clear()
         return metrics
-
-
-def episode_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str, float]:
-    """Success rate, return, turns, invalid-action rate, tokens, stop reasons and the action histogram
-    of ``episodes`` (the histogram catches a policy that repeats one action)."""
-    n = max(len(episodes), 1)
-    turns = [turn for episode in episodes for turn in episode.turns]
-    metrics = {
-        f"{prefix}/success": sum(e.success for e in episodes) / n,
-        f"{prefix}/return": sum(e.episode_return for e in episodes) / n,
-        f"{prefix}/turns": len(turns) / n,
-        # A turn the env did not act on (no stop id within the turn's budget) is no valid action either.
-        f"{prefix}/invalid_action_frac": sum(_label(t) in ("invalid", "unfinished") for t in turns)
-        / max(len(turns), 1),
-        f"{prefix}/response_tokens": sum(len(e.response_ids) for e in episodes) / n,
-    }
-    reasons = collections.Counter(e.stop_reason.value for e in episodes if e.stop_reason is not None)
-    training = prefix == "episode"
-    for reason in StopReason:  # every reason in training; in evaluation the ones that occurred
-        if training or reasons[reason.value]:
-            metrics[f"{prefix}/stop/{reason.value}"] = reasons[reason.value] / n
-    if training:  # the histogram of training turns
-        actions = collections.Counter(_label(turn) for turn in turns)
-        common = dict(actions.most_common(MAX_ACTION_KEYS))
-        for action, count in common.items():
-            metrics[f"actions/{action}"] = count / max(len(turns), 1)
-        other = sum(actions.values()) - sum(common.values())
-        if other:
-            metrics["actions/other"] = other / len(turns)
-    return metrics
-
-
-def _label(turn: Turn) -> str:
-    """A turn in the action histogram: its text, ``invalid`` (the env refused it) or ``unfinished`` (cut
-    by the turn's token budget: never acted on)."""
-    if not turn.acted:
-        return "unfinished"
-    return turn.text.strip() if turn.action_is_valid else "invalid"
 
 
 def _within(params: SamplingParams, room: int) -> SamplingParams:

@@ -43,6 +43,16 @@ class RolloutRouter:
     def abort(self, worker: int, request_ids: Sequence[str]) -> None:
         self._calls.append(self.rollout.call_rank(worker, "abort_many", list(request_ids), blocking=False))
 
+    def release_prefixes(self, worker: int, cache_keys: Sequence[str]) -> None:
+        """Free the KV ``worker`` keeps for ``cache_keys`` (ended episodes); returns at once."""
+        self._calls.append(
+            self.rollout.call_rank(worker, "release_prefixes", list(cache_keys), blocking=False)
+        )
+
+    def prefix_stats(self) -> list[dict[str, int]]:
+        """Each worker's prefix-reuse counters (``RolloutWorker.prefix_stats``), by rank; blocking."""
+        return [self.rollout.call_rank(worker, "prefix_stats") for worker in range(self.num_workers)]
+
     def outstanding(self) -> list[ClusterFuture]:
         """Every call in flight, with a ``collect_finished`` open on each worker (opened if missing)."""
         open_on = set(self._collects.values())

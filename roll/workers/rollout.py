@@ -14,12 +14,22 @@ from roll.data.batch import Batch
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.worker import register
 from roll.strategies.infer import INFERENCE_ENGINES, GenerateRequest, GenerateResult, InferenceEngine
+from roll.strategies.infer.prefix_store import DEFAULT_PREFIX_CACHE_TOKENS
 from roll.strategies.sampling import SamplingParams
 from roll.workers.base import ModelSpec, ModelWorker
 
 # Single requests go to one worker, so they are plain methods that the router or the rollout scheduler
 # calls on one rank (``Cluster.call_rank``); a registered Cluster call would reach every rank.
-REQUEST_METHODS = ("submit", "submit_many", "await_result", "collect_finished", "abort", "abort_many")
+REQUEST_METHODS = (
+    "submit",
+    "submit_many",
+    "await_result",
+    "collect_finished",
+    "abort",
+    "abort_many",
+    "release_prefixes",
+    "prefix_stats",
+)
 # The label of the weights a worker starts with: the trainer's first sync is version 1, so every token
 # of a run carries a version, and staleness is measured from the start.
 INITIAL_WEIGHTS_VERSION = 0
@@ -32,6 +42,7 @@ class RolloutSpec:
     model: ModelSpec
     engine: str = "hf"
     max_running_requests: int | None = None
+    prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS
 
 
 class RolloutWorker(ModelWorker):
@@ -47,9 +58,12 @@ class RolloutWorker(ModelWorker):
     @register(Dispatch.ONE_TO_ALL)
     def setup(self, **kwargs: object) -> None:
         super().setup(**kwargs)
-        capacity = getattr(self.config, "max_running_requests", None)
         self.engine = INFERENCE_ENGINES.get(getattr(self.config, "engine", "hf"))(
-            self.model, self.tokenizer, self.device, max_running_requests=capacity
+            self.model,
+            self.tokenizer,
+            self.device,
+            max_running_requests=getattr(self.config, "max_running_requests", None),
+            prefix_cache_tokens=getattr(self.config, "prefix_cache_tokens", DEFAULT_PREFIX_CACHE_TOKENS),
         )
         with self.engine.weight_update(INITIAL_WEIGHTS_VERSION):  # labels tokens sampled before any sync
             pass
@@ -102,6 +116,17 @@ class RolloutWorker(ModelWorker):
         """Abort several requests in one call (e.g. a group that is no longer needed); per id, whether
         it was still queued or running (see ``InferenceEngine.abort``)."""
         return [self.engine.abort(request_id) for request_id in request_ids]
+
+    @ray.method(concurrency_group="control")
+    def release_prefixes(self, cache_keys: list[str]) -> int:
+        """Free the KV the engine keeps for ``cache_keys`` (episodes that ended); how many were held."""
+        return self.engine.release_prefixes(cache_keys)
+
+    @ray.method(concurrency_group="control")
+    def prefix_stats(self) -> dict[str, int]:
+        """The engine's prefix-reuse counters (``HFEngine.prefix_stats``): prefill tokens computed and
+        reused, hits, misses, evictions, entries and tokens held."""
+        return self.engine.prefix_stats()
 
     # ------------------------------------------------------------ memory between colocated stages
     @register(Dispatch.ONE_TO_ALL)

@@ -47,6 +47,11 @@ class TrainerSpec:
     # RL only: optimizer steps per rollout batch are ppo_epochs x (batch / mini_batch_size).
     ppo_epochs: int = 1
     mini_batch_size: int | None = None
+    # RL on batches whose row count varies per step (step-wise agentic: one row per turn): each epoch
+    # splits this rank's rows into this many equal mini-batches instead, so the number of optimizer steps
+    # (and so the LR schedule) does not depend on the episodes' lengths. The batch arrives padded to a
+    # multiple of world_size x mini_batches_per_epoch rows.
+    mini_batches_per_epoch: int | None = None
     collective_timeout_s: float = 600.0
     # A step whose gradient norm is NaN or infinite: "skip" leaves weights, optimizer and LR schedule
     # untouched (counted in ``skipped_frac``); "stop" raises NonFiniteGradientError.
@@ -134,11 +139,12 @@ class TrainerWorker(ModelWorker):
         accumulating micro-batch gradients and summing them across ranks gives the big-batch gradient.
         """
         spec: TrainerSpec = self.config
-        mini_size = (spec.mini_batch_size or len(batch) * self.world_size) // self.world_size
+        if spec.mini_batches_per_epoch is not None:
+            minis = batch.chunk(spec.mini_batches_per_epoch)
+        else:
+            minis = batch.split((spec.mini_batch_size or len(batch) * self.world_size) // self.world_size)
         metrics = [
-            self.step_on(mini, loss_fn, loss_agg_mode)
-            for _ in range(spec.ppo_epochs)
-            for mini in batch.split(mini_size)
+            self.step_on(mini, loss_fn, loss_agg_mode) for _ in range(spec.ppo_epochs) for mini in minis
         ]
         return mean_metrics(metrics)
 

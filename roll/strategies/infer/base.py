@@ -44,11 +44,17 @@ class GenerateRequest:
             and ``abort``.
         prompt_ids: the prompt's token ids (no padding); stored as a tuple so the request is immutable.
         params: how to sample; requests with equal params can share one batch.
+        cache_key: names a sequence of requests whose prompts extend one another (an episode id: turn
+            k's prompt is turn k-1's prompt, its sampled tokens and the next observation). An engine may
+            keep the KV cache of such a request when it ends and start the next request of the same key
+            from it, prefilling only the new tokens (``HFEngine``'s prefix store). A hint only: results
+            are the same with or without it. None: nothing is kept.
     """
 
     request_id: str
     prompt_ids: Sequence[int]
     params: SamplingParams
+    cache_key: str | None = None
 
     def __post_init__(self) -> None:
         prompt_ids = tuple(int(t) for t in self.prompt_ids)
@@ -199,6 +205,20 @@ class InferenceEngine(abc.ABC):
         Returns:
             {"bytes": bytes moved onto the accelerator, "seconds": time taken}; 0 bytes on CPU.
         """
+
+    def release_prefixes(self, cache_keys: Iterable[str]) -> int:
+        """Forget the KV kept for ``cache_keys`` (their episodes ended), at once; requests of those keys
+        still queued or running keep nothing when they end. This default keeps nothing to forget.
+
+        Returns:
+            How many kept prefixes were freed.
+        """
+        return 0
+
+    def prefix_stats(self) -> dict[str, int]:
+        """Counters of prefix reuse since the engine started (see ``HFEngine.prefix_stats``); {} for an
+        engine without any."""
+        return {}
 
     @abc.abstractmethod
     def shutdown(self) -> None:

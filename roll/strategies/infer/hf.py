@@ -8,6 +8,11 @@ result is published at that step, not when the whole batch ends. Only the sample
 kept per step, so memory is bounded by the KV cache and one [rows, vocab] logits tensor, whatever the
 vocabulary and response length.
 
+A request with a ``cache_key`` (an episode id) leaves its KV in a prefix store when it ends by its
+tokens (``roll.strategies.infer.prefix_store``); the next request of that key whose prompt extends it
+prefills only the new tokens. The store is bounded (``prefix_cache_tokens``) and emptied whenever the
+weights change, so no turn reads KV computed by older weights than its own first token.
+
 Batch generation (``generate``) submits every row as a request and waits for all of them, so both
 paths run the same code. ``roll.strategies.hf_generate`` (Hugging Face ``generate``) is the independent
 reference the tests hold this engine to.
@@ -32,6 +37,7 @@ from roll.models.loading import end_of_sequence_ids
 from roll.strategies.cpu_threads import decode_threads
 from roll.strategies.infer.base import GenerateRequest, GenerateResult, InferenceEngine, NamedTensors
 from roll.strategies.infer.kv_cache import SlotCache
+from roll.strategies.infer.prefix_store import DEFAULT_PREFIX_CACHE_TOKENS, PrefixStore, StoredPrefix
 from roll.strategies.sampling import SamplingParams, sample_tokens
 
 if TYPE_CHECKING:
@@ -50,6 +56,7 @@ class _Entry:
     done: threading.Event = field(default_factory=threading.Event)
     running: bool = False
     abort_requested: bool = False
+    keep_prefix: bool = True  # cleared by release_prefixes: the episode ended, keep nothing of this request
     result: GenerateResult | None = None
     error: Exception | None = None
 
@@ -60,6 +67,7 @@ class _Row:
 
     entry: _Entry
     next_position: int  # position id of the token fed at the next decode step
+    weights_epoch: int  # the engine's _weights_epoch at prefill: its KV is homogeneous while it is unchanged
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -83,6 +91,8 @@ class HFEngine(InferenceEngine):
         device: where the model runs; default: where its parameters are now.
         max_running_requests: most rows decoding at once (None: no limit); further requests queue and
             join as rows finish. Bounds the KV cache.
+        prefix_cache_tokens: most tokens of KV kept between the requests of a ``cache_key`` (all keys
+            together; the least recently stored entry is evicted first); 0 keeps none.
     """
 
     def __init__(
@@ -91,9 +101,11 @@ class HFEngine(InferenceEngine):
         tokenizer: PreTrainedTokenizerBase,
         device: torch.device | str | None = None,
         max_running_requests: int | None = None,
+        prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
     ) -> None:
         if max_running_requests is not None and max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1 or None, got {max_running_requests}")
+        self._prefixes = PrefixStore(prefix_cache_tokens)
         self._device = torch.device(device) if device is not None else next(model.parameters()).device
         if self._device.type == "cuda":
             # cuDNN's attention (SDPA picks it for bf16/fp16) builds an execution plan for every new shape,
@@ -125,6 +137,9 @@ class HFEngine(InferenceEngine):
         self._closed = False
         self._model_waiters = 0  # callers waiting for the model lock; the decode loop yields to them
         self._weights_version = -1
+        # Bumped at every weight change (with or without a version), under the model lock: a row whose KV
+        # spans two epochs is not stored, and the store is emptied, so kept KV always matches the weights.
+        self._weights_epoch = 0
         self._batch_ids = itertools.count()
         # The decode batch, owned by the serving thread: rows in cache order, their cache, attention
         # mask [rows, columns] and the last sampled token of each row (the next step's input).
@@ -236,7 +251,10 @@ class HFEngine(InferenceEngine):
             if isinstance(named_tensors, Mapping):
                 _copy_by_name(targets, named_tensors.items(), check_only=True)
                 named_tensors = named_tensors.items()
-            _copy_by_name(targets, named_tensors, check_only=False)
+            try:
+                _copy_by_name(targets, named_tensors, check_only=False)
+            finally:  # a stream that failed half way has changed weights all the same
+                self._new_weights()
             if version is not None:
                 self._weights_version = version
 
@@ -244,8 +262,26 @@ class HFEngine(InferenceEngine):
     def weight_update(self, version: int) -> Iterator[None]:
         """Hold the model between two decode steps while buckets are loaded; see the base class."""
         with self._between_steps():
-            yield
+            try:
+                yield
+            finally:
+                self._new_weights()
             self._weights_version = version
+
+    def release_prefixes(self, cache_keys: Iterable[str]) -> int:
+        """Free the KV kept for ``cache_keys`` now (their episodes ended); see the base class."""
+        keys = set(cache_keys)
+        with self._state_lock:
+            # A turn still in flight (an episode ended by an abort) must not store its KV afterwards.
+            for entry in self._entries.values():
+                if not entry.done.is_set() and entry.request.cache_key in keys:
+                    entry.keep_prefix = False
+            return self._prefixes.release(keys)
+
+    def prefix_stats(self) -> dict[str, int]:
+        """Prefill tokens computed and reused, hits, misses, evictions since the start, and the entries
+        and tokens held now (``PrefixStore.stats``): with reuse, a turn adds only its new tokens."""
+        return self._prefixes.stats()
 
     def release_memory(self) -> dict[str, float]:
         """Move the weights to CPU after the step in progress (0 bytes when the engine runs on CPU).
@@ -256,6 +292,7 @@ class HFEngine(InferenceEngine):
                 already = self._released
                 self._released = True
             moved = 0 if already else _accelerator_bytes(self._model)
+            self._prefixes.clear()
             if moved:
                 self._model.to("cpu")
                 if torch.cuda.is_available():
@@ -291,6 +328,7 @@ class HFEngine(InferenceEngine):
             self._finished_ready.notify_all()  # a waiting collect_finished returns instead of timing out
         if threading.current_thread() is not self._thread:
             self._thread.join()
+        self._prefixes.clear()
 
     # ----- the serving thread ----------------------------------------------------------------------
 
@@ -373,18 +411,35 @@ class HFEngine(InferenceEngine):
         self._last_tokens = self._sample(logits, self._rows)
 
     def _prefill(self, admitted: list[_Entry]) -> None:
-        ids, mask = left_pad([entry.request.prompt_ids for entry in admitted], self._pad_id)
-        ids, mask = ids.to(self._device), mask.to(self._device)
-        cache = SlotCache()
+        """Run the admitted prompts, each from the KV kept for its cache key where there is some.
+
+        Row i's columns: its kept part right-aligned in the first ``past`` columns, then its new tokens
+        left-padded in the last ``new`` columns, all masked but the real ones; positions go on from the
+        kept length, so a row computes what a prefill of its whole prompt would."""
+        taken = [self._prefixes.take(entry.request.cache_key, entry.request.prompt_ids) for entry in admitted]
+        reused = [length for length, _ in taken]
+        prompts = [entry.request.prompt_ids[length:] for entry, length in zip(admitted, reused)]
+        ids, new_mask = left_pad(prompts, self._pad_id)
+        lengths = torch.tensor(reused).unsqueeze(1)
+        past = max(reused)
+        past_mask = (torch.arange(past) >= past - lengths).long()
+        positions = lengths + position_ids_from_mask(new_mask)
+        mask = torch.cat([past_mask, new_mask], dim=1).to(self._device)
+        layers = [states for _, states in taken]
+        cache = SlotCache.from_prefixes(layers, room=ids.shape[1]) if past else SlotCache()
+        self._prefixes.count_prefill(computed=sum(map(len, prompts)), reused=sum(reused))
         logits = self._model(
-            input_ids=ids,
+            input_ids=ids.to(self._device),
             attention_mask=mask,
-            position_ids=position_ids_from_mask(mask),
+            position_ids=positions.to(self._device),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
-        rows = [_Row(entry, next_position=len(entry.request.prompt_ids)) for entry in admitted]
+        rows = [
+            _Row(entry, next_position=len(entry.request.prompt_ids), weights_epoch=self._weights_epoch)
+            for entry in admitted
+        ]
         tokens = self._sample(logits, rows)
         if self._rows:
             self._cache.append_rows(cache)
@@ -417,12 +472,19 @@ class HFEngine(InferenceEngine):
     def _retire(self) -> None:
         """Publish the rows that ended at this step and drop them from the batch."""
         keep: list[int] = []
+        # Copied before the results are published: the next turn of an episode is admitted after this
+        # step at the earliest and finds its prefix, and an episode's release cannot come before it.
+        prefixes = self._prefixes_of_ending_rows()
         with self._state_lock:
             for index, row in enumerate(self._rows):
                 reason = self._finish_reason(row, row.entry.abort_requested)
                 if reason is None:
                     keep.append(index)
                     continue
+                prefix = prefixes.get(index)
+                if prefix is not None and row.entry.keep_prefix and not self._closed:
+                    assert row.entry.request.cache_key is not None
+                    self._prefixes.put(row.entry.request.cache_key, prefix)
                 request_id = row.entry.request.request_id
                 result = GenerateResult(request_id, row.tokens, row.logprobs, reason, row.versions)
                 self._finish(row.entry, result=result)
@@ -437,6 +499,31 @@ class HFEngine(InferenceEngine):
         first = int((mask.sum(dim=0) > 0).nonzero()[0])  # left-padding columns no kept row needs
         self._cache.keep(rows, first)
         self._mask, self._last_tokens = mask[:, first:], self._last_tokens[rows]
+
+    def _prefixes_of_ending_rows(self) -> dict[int, StoredPrefix]:
+        """The KV to keep of each row with a cache key that ends by its tokens at this step (not by an
+        abort, which ends the episode) and whose KV all comes from the current weights, by row index.
+
+        A row's real columns hold its prompt and every sampled token but the last, which was never fed."""
+        prefixes: dict[int, StoredPrefix] = {}
+        for index, row in enumerate(self._rows):
+            request = row.entry.request
+            if (
+                request.cache_key is None
+                or row.weights_epoch != self._weights_epoch
+                or not self._prefixes.fits(len(request.prompt_ids) + len(row.tokens) - 1)
+                or self._finish_reason(row, abort=False) is None
+            ):
+                continue
+            token_ids = request.prompt_ids + tuple(row.tokens[:-1])
+            layers = self._cache.row_states(index, self._mask[index].bool())
+            if layers and layers[0][0].shape[-2] != len(token_ids):
+                raise RuntimeError(
+                    f"request {request.request_id!r} has {layers[0][0].shape[-2]} cached columns for "
+                    f"{len(token_ids)} tokens: the decode batch's mask and cache disagree"
+                )
+            prefixes[index] = StoredPrefix(token_ids, layers)
+        return prefixes
 
     def _finish_reason(self, row: _Row, abort: bool) -> str | None:
         params = row.entry.request.params
@@ -455,6 +542,11 @@ class HFEngine(InferenceEngine):
                 if not entry.done.is_set():  # a row published before the failure keeps its result
                     self._finish(entry, error=error)
         self._reset_batch()
+
+    def _new_weights(self) -> None:
+        """The weights changed (caller holds the model lock): kept KV is stale."""
+        self._weights_epoch += 1
+        self._prefixes.clear()
 
     def _reset_batch(self) -> None:
         self._rows = []

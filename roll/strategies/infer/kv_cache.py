@@ -8,9 +8,15 @@ position ids say which cache columns are real. Two things differ from ``DynamicC
   the response length (thousands of tokens in RL).
 - Whole rows can be dropped (a finished or aborted request frees its slot at once) and appended (a new
   request joins after its prefill), with the shorter side padded on the left.
+- A prefill can start from KV kept from an earlier request (``from_prefixes``, ``row_states``): each
+  row's kept part is right-aligned before the prefill's own columns, so a row whose new part is shorter
+  than the longest has masked columns between the two. Attention reads only the mask and positions are
+  given explicitly, so such a hole costs room, never correctness.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -71,6 +77,24 @@ class _GrowingLayer(DynamicLayer):
         self.keys = self._key_buffer[..., : self._length, :]
         self.values = self._value_buffer[..., : self._length, :]
 
+    @classmethod
+    def of_rows(cls, rows: Sequence[tuple[torch.Tensor, torch.Tensor] | None], room: int) -> _GrowingLayer:
+        """A layer whose row i holds ``rows[i]`` (keys, values [heads, T_i, dim]) right-aligned to the
+        longest, zeros elsewhere (None: a row with nothing), with ``room`` free columns after them."""
+        keys0, values0 = next(row for row in rows if row is not None)
+        length = max(row[0].shape[-2] for row in rows if row is not None)
+        keys = keys0.new_zeros((len(rows), keys0.shape[0], length + room, keys0.shape[-1]))
+        values = values0.new_zeros((len(rows), values0.shape[0], length + room, values0.shape[-1]))
+        for index, row in enumerate(rows):
+            if row is not None:
+                keys[index, :, length - row[0].shape[-2] : length] = row[0]
+                values[index, :, length - row[1].shape[-2] : length] = row[1]
+        layer = cls()
+        layer._key_buffer, layer._value_buffer, layer._length = keys, values, length
+        layer.dtype, layer.device, layer.is_initialized = keys.dtype, keys.device, True
+        layer._publish()
+        return layer
+
     def keep(self, rows: torch.Tensor, first_column: int) -> None:
         """Keep only ``rows``, and only the columns from ``first_column`` on (one copy)."""
         if self.keys is None:
@@ -109,6 +133,25 @@ class SlotCache(Cache):
         """Drop every row not in ``rows`` and the leading ``first_column`` columns of each layer."""
         for layer in self.layers:
             layer.keep(rows, first_column)
+
+    @classmethod
+    def from_prefixes(
+        cls, prefixes: Sequence[list[tuple[torch.Tensor, torch.Tensor]] | None], room: int
+    ) -> SlotCache:
+        """A cache for a prefill whose row i starts from ``prefixes[i]`` (per layer (keys, values)
+        [heads, T_i, dim]; None: from nothing), right-aligned to the longest, with ``room`` free columns
+        per layer for the prefill's own tokens. At least one prefix must be given."""
+        template = next(prefix for prefix in prefixes if prefix is not None)
+        cache = cls()
+        for index in range(len(template)):
+            rows = [None if prefix is None else prefix[index] for prefix in prefixes]
+            cache.layers.append(_GrowingLayer.of_rows(rows, room))
+        return cache
+
+    def row_states(self, row: int, columns: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of row ``row``'s keys and values in ``columns`` (a bool mask over the columns, e.g. the
+        row's attention mask), per layer [heads, columns kept, dim]: what a prefix store keeps."""
+        return [(layer.keys[row][:, columns], layer.values[row][:, columns]) for layer in self.layers]
 
     def append_rows(self, other: SlotCache) -> None:
         """Append the rows of ``other`` (a fresh prefill), padding on the left to a common length."""
