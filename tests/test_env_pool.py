@@ -117,3 +117,38 @@ def test_a_hung_env_times_out_and_a_fresh_instance_takes_over(faulty) -> None:
     assert failed.status == TIMEOUT and failed.error == "timed out after 0.2 s"
     assert pool.counters["timeouts"] == 1 and pool.live == 0
     pool.shutdown()
+
+
+def test_an_episode_closed_while_its_failing_step_runs_is_not_brought_back() -> None:
+    """Environment workers serve calls concurrently: a group may close an episode whose step (in another
+    call) is failing. The retry must not put a fresh instance back for an episode nobody owns."""
+    import threading
+
+    from roll.envs import ENVIRONMENTS
+    from roll.envs.frozen_lake import FrozenLake
+    from roll.envs.pool import CLOSED_WHILE_STEPPING, ERROR, EnvPool
+
+    entered, release = threading.Event(), threading.Event()
+
+    class Cracking(FrozenLake):
+        def step(self, action_text):
+            entered.set()
+            release.wait()
+            raise RuntimeError("cracked")
+
+    ENVIRONMENTS._entries["cracking_lake"] = Cracking
+    try:
+        pool = EnvPool("cracking_lake", {"size": 4})
+        pool.reset([("a", 1)])
+        stepping = threading.Thread(target=lambda: results.extend(pool.step([("a", "L")])))
+        results: list = []
+        stepping.start()
+        assert entered.wait(60), "the step never started"
+        pool.close(["a"])  # the episode's group ended while its step runs
+        release.set()
+        stepping.join(60)
+        assert results[0].status == ERROR and results[0].error == CLOSED_WHILE_STEPPING
+        assert pool.live == 0  # no fresh instance was put back
+    finally:
+        release.set()
+        del ENVIRONMENTS._entries["cracking_lake"]

@@ -9,6 +9,7 @@ import signal
 import pytest
 
 from roll.distributed.cluster import Cluster, WorkerError
+from roll.envs import ENVIRONMENTS
 from roll.envs.frozen_lake import FrozenLake, shortest_path
 from roll.envs.pool import OK
 from roll.workers.environment import EnvSpec, EnvWorker
@@ -42,5 +43,54 @@ def test_each_rank_steps_its_episodes_in_one_call() -> None:
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(WorkerError, match="environment rank 1"):
             envs.call_rank(1, "step", [("c", "D")])
+    finally:
+        envs.kill()
+
+
+@ENVIRONMENTS.register("gated_lake")  # the workers import this module (plugins) and register it too
+class GatedLake(FrozenLake):
+    """A lake whose steps for seed 1 wait until a gate file exists (another process creates it)."""
+
+    def __init__(self, gate: str = "", **options):
+        super().__init__(**options)
+        self.gate = gate
+
+    def reset(self, seed):
+        self.seed_ = seed
+        return super().reset(seed)
+
+    def step(self, action_text):
+        import time
+
+        while self.seed_ == 1 and not os.path.exists(self.gate):
+            time.sleep(0.01)
+        return super().step(action_text)
+
+
+def test_a_slow_call_does_not_hold_up_the_next_call_to_the_same_worker(tmp_path) -> None:
+    """The scheduler sends the steps of whichever turns came back together in calls of their own: a call
+    whose env is slow must not make later calls to the worker wait (calls run concurrently). The slow
+    env waits for a file the test creates only after the second call has returned, so with calls run
+    one at a time the second call could never return."""
+    import ray
+
+    gate = tmp_path / "gate"
+    envs = Cluster(
+        "environment",
+        EnvWorker,
+        1,
+        EnvSpec("gated_lake", {"size": 4, "gate": str(gate)}, step_timeout_s=120),
+        timeout_s=120,
+        plugins=["test_env_workers"],
+    )
+    try:
+        envs.setup()
+        envs.call_rank(0, "reset", [("slow", 1), ("fast", 2)])
+        slow = envs.call_rank(0, "step", [("slow", "L")], blocking=False)
+        fast = envs.call_rank(0, "step", [("fast", "L")], blocking=False)
+        (result,) = fast.get()  # returns while the slow call still waits for the gate
+        assert result.status == OK and not ray.wait(slow.refs, timeout=0)[0]
+        gate.touch()
+        assert slow.get()[0].status == OK
     finally:
         envs.kill()

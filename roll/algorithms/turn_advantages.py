@@ -135,8 +135,7 @@ def gigpo_advantages(
             episode_advantage = _normalised(returns, groups, step_norm, eps)[row_episode]
             step_advantage = _normalised(step_returns[valid], anchor_index[valid], step_norm, eps)
             advantage[valid] = episode_advantage + step_advantage_weight * step_advantage
-        weight = loss_mask.to(torch.float32)
-    return advantage.unsqueeze(-1) * weight, step_returns.unsqueeze(-1) * weight
+    return _on_tokens(advantage, step_returns, loss_mask)
 
 
 @ADVANTAGE_ESTIMATORS.register("step_reinforce", needs_groups=False, needs_values=False, per_turn=True)
@@ -179,5 +178,12 @@ def step_reinforce_advantages(
         advantage = torch.zeros(len(episode_index))
         if valid.any():
             advantage[valid] = _normalised(step_returns[valid], group_index[valid], step_norm, eps)
-        weight = loss_mask.to(torch.float32)
+    return _on_tokens(advantage, step_returns, loss_mask)
+
+
+def _on_tokens(
+    advantage: torch.Tensor, step_returns: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's advantage and step return ``[B]`` on its trained tokens ``[B, T]``, 0 elsewhere."""
+    weight = loss_mask.to(torch.float32)
     return advantage.unsqueeze(-1) * weight, step_returns.unsqueeze(-1) * weight

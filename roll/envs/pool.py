@@ -19,6 +19,8 @@ from typing import Any
 from roll.envs.base import TextEnv, make_env
 
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
+# A step's env failed and, before its retry, its owner closed the episode (another call's close).
+CLOSED_WHILE_STEPPING = "the episode was closed while it stepped"
 
 
 @dataclass
@@ -115,10 +117,12 @@ class EnvPool:
             episode.actions.append(text)
             return result
         self._count("retries")
-        _, failure = self._fresh(episode_id, episode.seed, episode.actions)
+        _, failure = self._fresh(episode_id, episode.seed, episode.actions, replacing=True)
         if failure is None:
             with self._lock:
-                episode = self._episodes[episode_id]
+                episode = self._episodes.get(episode_id)
+            if episode is None:  # closed meanwhile
+                return EnvResult(episode_id, ERROR, retried=True, error=CLOSED_WHILE_STEPPING)
             result, failure = self._call(episode_id, episode.env.step, text)
         if failure is not None:
             return self._failed(episode_id, failure)
@@ -126,16 +130,23 @@ class EnvPool:
         return _retried(result)
 
     def _fresh(
-        self, episode_id: str, seed: int, replay: list[str]
+        self, episode_id: str, seed: int, replay: list[str], replacing: bool = False
     ) -> tuple[EnvResult, tuple[str, str] | None]:
-        """A new instance for the episode, reset with ``seed`` and ``replay`` played again."""
+        """A new instance for the episode, reset with ``seed`` and ``replay`` played again. ``replacing``:
+        the instance of a live episode failed; if the episode was closed meanwhile (calls run
+        concurrently: its group ended while it stepped), nobody wants a new one."""
         try:
             env = make_env(self.name, self.options)
         except Exception as error:  # noqa: BLE001 - reported in the result, never raised
             return EnvResult(episode_id), (ERROR, f"{type(error).__name__}: {error}")
         with self._lock:
             old = self._episodes.get(episode_id)
-            self._episodes[episode_id] = _Episode(seed, env, list(replay))
+            closed = replacing and old is None
+            if not closed:
+                self._episodes[episode_id] = _Episode(seed, env, list(replay))
+        if closed:
+            _close_in_background(env)
+            return EnvResult(episode_id), (ERROR, CLOSED_WHILE_STEPPING)
         if old is not None:
             _close_in_background(old.env)
         result, failure = self._call(episode_id, env.reset, seed)

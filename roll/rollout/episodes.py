@@ -318,8 +318,10 @@ class EpisodeScheduler:
                     continue
                 context, room = episode.next_request()
                 request_id = f"{eid}t{len(episode.turns)}"
-                # The episode id keys the engine's kept KV: turn k prefills only what follows turn k-1.
-                request = GenerateRequest(request_id, context, _within(group.params, room), cache_key=eid)
+                # The episode id keys the engine's kept KV: turn k prefills only what follows turn k-1. A
+                # step-wise window does not extend the one before it: nothing to keep.
+                key = eid if self.spec.history_turns is None else None
+                request = GenerateRequest(request_id, context, _within(group.params, room), cache_key=key)
                 by_worker[group.worker].append(request)
                 self._requests[request_id] = (group, eid)
         for worker, requests in by_worker.items():
