@@ -112,7 +112,10 @@ def test_a_turn_may_start_on_newer_weights_than_the_turn_before_it() -> None:
         sched._pump()  # noqa: SLF001
     group = min(sched._complete, key=lambda g: g.group_id)  # noqa: SLF001 - the batch about to be taken
     versions = [sorted({v for v in e.versions if v >= 0}) for e in group.episodes.values()]
-    _, metrics = sched.next_batch(1)
+    try:
+        _, metrics = sched.next_batch(1)
+    finally:
+        sched.close()  # next_batch started the background thread
     assert [0, 1] in versions  # one episode, two weights versions: still within the bound
     assert metrics["rollout/staleness_max"] == 1 and metrics["rollout/stale_groups"] == 0
 
