@@ -104,7 +104,6 @@ import dataclasses
 import itertools
 import json
 import os
-import platform
 import shutil
 import statistics
 import string
@@ -568,25 +567,6 @@ def prefix_part(pipeline, args: argparse.Namespace) -> dict[str, dict[int, TurnP
 # --------------------------------------------------------------------------------------------- report
 
 
-def machine_note() -> str:
-    import ray
-    import torch
-    import transformers
-
-    return (
-        f"machine: {os.cpu_count()} CPU cores, {platform.machine()}, python {platform.python_version()}, "
-        f"torch {torch.__version__}, transformers {transformers.__version__}, ray {ray.__version__}"
-    )
-
-
-def count_parameters(model_dir: str) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return sum(p.numel() for p in model.parameters())
-
-
 def fmt(value: float, digits: int = 2) -> str:
     return "-" if value != value else f"{value:.{digits}f}"
 
@@ -764,6 +744,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(REPO))
     import ray
 
+    from benchmarks.rollout import count_parameters, machine_note  # the RLVR benchmark's, shared
     from roll.pipelines.agentic import AgenticPipeline
 
     root = Path(args.output_dir or tempfile.mkdtemp(prefix="roll-agentic-bench-"))

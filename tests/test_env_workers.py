@@ -67,6 +67,7 @@ class GatedLake(FrozenLake):
         return super().step(action_text)
 
 
+@pytest.mark.slow  # a Ray worker of its own
 def test_a_slow_call_does_not_hold_up_the_next_call_to_the_same_worker(tmp_path) -> None:
     """The scheduler sends the steps of whichever turns came back together in calls of their own: a call
     whose env is slow must not make later calls to the worker wait (calls run concurrently). The slow

@@ -45,6 +45,7 @@ def worker_pid(cluster: Cluster, rank: int = 0) -> int:
     return cluster.ping()[rank]["pid"]
 
 
+@pytest.mark.slow  # waits out a liveness bound
 def test_a_frozen_rollout_worker_fails_the_call_within_the_liveness_bound(tiny_model_path: str) -> None:
     tokenizer = load_tokenizer(tiny_model_path)
     rows = [{"prompt": "1+2"}, {"prompt": "3+4"}]

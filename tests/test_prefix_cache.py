@@ -391,6 +391,7 @@ def test_sampled_continuation_is_the_same_with_and_without_reuse(make_engine) ->
 # ----- through the rollout worker and the backend ------------------------------------------------------
 
 
+@pytest.mark.slow  # a rollout worker of its own on Ray
 @pytest.mark.usefixtures("ray_session")
 def test_rollout_worker_reuses_prefixes_and_the_backend_releases_them(model_path: str) -> None:
     from roll.distributed.cluster import Cluster

@@ -252,6 +252,7 @@ class StuckSharedRolloutWorker(RolloutWorker):
         return super().load_shared_weights(version)
 
 
+@pytest.mark.slow  # waits out the transfer timeout
 @pytest.mark.usefixtures("ray_session")
 def test_a_stuck_receiver_is_a_timeout_naming_it_not_a_hang(tiny_model_path):
     from types import SimpleNamespace

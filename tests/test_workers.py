@@ -163,6 +163,7 @@ class StuckRolloutWorker(RolloutWorker):
         return super().receive_weights(plan, version, timeout_s)
 
 
+@pytest.mark.slow  # waits out the transfer timeout
 def test_stuck_rollout_worker_makes_weight_transfer_time_out(tiny_model_path):
     actor = Cluster("actor", ActorWorker, 1, actor_spec(tiny_model_path))
     rollout = Cluster("rollout", StuckRolloutWorker, 2, Holder(ModelSpec(path=tiny_model_path)))
