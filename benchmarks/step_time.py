@@ -306,14 +306,15 @@ def trl_dataset(config, tokenizer):
     """The training rows as TRL reads them: prompts rendered as ROLL renders them, answers as text."""
     from datasets import Dataset
 
-    from roll.data.dataset import read_jsonl
+    from roll.data.columns import ANSWER, PROMPT, map_columns
+    from roll.data.formats import read_rows
     from roll.data.prompts import render_prompt
 
-    rows = [row for _, row in read_jsonl(config.data.train_path)]
-    prompt_key, template = config.data.prompt_key, config.data.apply_chat_template
+    rows = map_columns(read_rows(config.data.train_path), config.data.columns, (PROMPT, ANSWER))
+    template = config.data.apply_chat_template
     return Dataset.from_list(
         [
-            {"prompt": render_prompt(tokenizer, str(row[prompt_key]), template), "answer": str(row["answer"])}
+            {"prompt": render_prompt(tokenizer, row[PROMPT], template), "answer": str(row[ANSWER])}
             for row in rows
         ]
     )

@@ -4,7 +4,7 @@ A checkpoint is one directory, ``<output_dir>/checkpoints/step_00000040``, holdi
 needs to go on as if it had never stopped: each trainer's weights, optimizer and LR schedule (torch
 distributed checkpoint, one file per rank, reshardable) and its weights again in Hugging Face format,
 every worker's and the driver's RNG states, and the pipeline's own state (``pipeline.pt``: step,
-dataset cursor and prompts in flight, adaptive KL coefficient, best eval score).
+dataset cursor and prompts in flight, adaptive KL coefficient, the health monitors' history).
 
 Nothing half-written is ever loaded. The state is written into a hidden staging directory; when every
 file is there, a manifest of their sizes and SHA-256 checksums is written last and the directory is

@@ -1,5 +1,7 @@
 """The ``roll`` command: ``roll train CONFIG [key=value ...] [--resume [CHECKPOINT]] [--overwrite]``,
-``roll resume RUN_DIR [key=value ...]`` and ``roll config CONFIG [key=value ...]``.
+``roll resume RUN_DIR [key=value ...]``, ``roll config CONFIG [key=value ...]``, and ``roll plot RUN ...`` and
+``roll compare RUN ...`` over finished or running runs' metrics, and ``roll export RUN [--merge]``
+(a run's LoRA adapter, or the merged model).
 
 Config loading and validation come first and import neither torch nor Ray, so a typo is rejected at once.
 """
@@ -125,7 +127,9 @@ def _run(cfg, resume: str | None, overwrite: bool) -> None:
         _fail(e, 2)
     from roll.checkpoint import CheckpointError
     from roll.distributed.cluster import WorkerError
+    from roll.distributed.sync_probe import SyncCheckError
     from roll.distributed.weight_sync import WeightSyncError
+    from roll.health import HEALTH_STOP_EXIT_CODE, HealthStop
     from roll.pipelines import run_pipeline
     from roll.pipelines.recovery import RecoveryExhaustedError
     from roll.rewards.base import RewardError
@@ -134,9 +138,19 @@ def _run(cfg, resume: str | None, overwrite: bool) -> None:
         run_pipeline(cfg, inputs, resume=resume, overwrite=overwrite)
     except (ConfigError, DatasetError) as e:
         _fail(e, 2)
-    except (WorkerError, WeightSyncError, CheckpointError, RecoveryExhaustedError, RewardError) as e:
+    except (
+        WorkerError,
+        WeightSyncError,
+        SyncCheckError,
+        CheckpointError,
+        RecoveryExhaustedError,
+        RewardError,
+    ) as e:
         # The remote traceback is the useful part; the driver's own stack adds nothing.
         _fail(e, 1)
+    except HealthStop as e:  # a deliberate stop (health.action=stop), not an error
+        typer.secho(f"roll: {e}", fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(code=HEALTH_STOP_EXIT_CODE) from None
 
 
 def _stop_line(cfg, signum: int, activity: str) -> str:
@@ -175,6 +189,90 @@ def show_config(
     from roll.config import to_yaml
 
     sys.stdout.write(to_yaml(_load(config, overrides or []), with_docs=docs))
+
+
+def _split_items(values: list[str] | None) -> list[str] | None:
+    """``--metrics a,b --metrics c`` -> ``[a, b, c]``; None when the option is not given."""
+    if not values:
+        return None
+    return [item.strip() for value in values for item in value.split(",") if item.strip()]
+
+
+@app.command("plot")
+def plot(
+    runs: list[str] = typer.Argument(..., help="Run directories (each a run's output_dir)."),
+    out: str | None = typer.Option(None, "--out", help="PNG to write (default: plot.png in the first RUN)."),
+    metrics: list[str] = typer.Option(
+        None,
+        "--metrics",
+        help="Panels, comma-separated or repeated: reward, eval, length, kl, entropy, clip_frac, time, or "
+        "any metric name or glob (eval/*/score); by default the seven panels, less those no run logs.",
+    ),
+    x: str = typer.Option("step", "--x", help="x axis: step, time (since a run's first record) or samples."),
+    smooth: int = typer.Option(
+        1, "--smooth", help="Trailing moving average over N logged points (eval/ metrics stay raw); 1 = off."
+    ),
+) -> None:
+    """Plot runs' metrics, overlaid and labelled by run name, into one PNG."""
+    from roll.plots import plot_runs, save_plot
+    from roll.run_metrics import RunMetricsError, load_runs
+
+    try:
+        figure = plot_runs(load_runs(runs), _split_items(metrics), x=x, smooth=smooth)
+    except RunMetricsError as e:
+        _fail(e, 2)
+    for note in figure.notes:
+        typer.secho(f"note: {note}", fg=typer.colors.YELLOW, err=True)
+    typer.echo(f"wrote {save_plot(figure, out or Path(runs[0]) / 'plot.png')}")
+
+
+@app.command("compare")
+def compare(
+    runs: list[str] = typer.Argument(..., help="Run directories (each a run's output_dir)."),
+    metric: str = typer.Option("eval/score", "--metric", help="The metric to compare."),
+    threshold: float | None = typer.Option(
+        None, "--threshold", help="Also show when each run first reached this value (step, time, samples)."
+    ),
+    goal: str = typer.Option("max", "--goal", help="max (higher is better) or min (lower is better)."),
+) -> None:
+    """A table of each run's final and best value of a metric, and when it first reached a threshold."""
+    from rich.console import Console
+
+    from roll.run_compare import compare_table
+    from roll.run_metrics import RunMetricsError, load_runs
+
+    try:
+        table = compare_table(load_runs(runs), metric, goal=goal, threshold=threshold)
+    except RunMetricsError as e:
+        _fail(e, 2)
+    # Wide enough for the table in a pipe or CI log, where rich would otherwise assume 80 columns.
+    Console(width=max(Console().width, 120)).print(table)
+
+
+@app.command("export")
+def export_model(
+    run: str = typer.Argument(
+        ...,
+        help="A run directory (its final model, else its latest checkpoint), a checkpoint directory, "
+        "or a model/adapter directory.",
+    ),
+    merge: bool = typer.Option(
+        False, "--merge", help="Write the merged model (base + LoRA adapter), loadable by transformers."
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", help="Where to write it. Default: <run>/export/<model|step_N>-<merged|adapter>."
+    ),
+    base: str | None = typer.Option(
+        None, "--base", help="The base model directory, if it moved since the adapter was trained."
+    ),
+) -> None:
+    """Export a run's trained policy: its LoRA adapter (peft format) or, with --merge, the merged model."""
+    from roll.models.export import ExportError, default_destination, export
+
+    try:
+        typer.echo(export(run, out or default_destination(run, merge), merge, base))
+    except ExportError as e:
+        _fail(e, 2)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,19 @@
 A pipeline makes one ``Tracker`` per run and calls ``tracker.log(step, metrics)`` once per step, with
 ``step`` counting finished steps from 1, so the progress bar ends at ``total_steps/total_steps``.
 Metric names are slash-separated (``reward/mean``, ``eval/score``, ``time/step_s``); any name whose
-prefix is ``eval/`` is an evaluation result and is never skipped by ``log_every``.
+prefix is ``eval/`` is an evaluation result and is never skipped by ``log_every``; nor is a step with a
+``health/`` entry (a run-health monitor fired, ``roll.health``).
 
-A new sink (W&B, MLflow) is one ``TrackingBackend`` subclass plus one ``TRACKER_BACKENDS`` entry. Heavy
-dependencies are imported inside the backend so that ``import roll.tracking`` stays cheap.
+``tracker.log_samples(step, samples)`` records a few example generations of a step (prompt, response,
+reward, ...) every ``samples_every`` steps: to ``samples.jsonl`` and, in trackers that have them, as tables.
+
+A new sink is one ``TrackingBackend`` subclass plus one ``TRACKER_BACKENDS`` entry. Heavy dependencies are
+imported inside the backend so that ``import roll.tracking`` stays cheap; W&B and MLflow live in
+``roll/trackers/`` and register here on import.
+
+A backend that logs to a run of its own (W&B, MLflow) gives its ``state()`` (the run id) to each checkpoint
+(``Tracker.save_state``); a run resumed from that checkpoint gets it back as ``TrackingContext.resume`` and
+continues the same run.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -36,7 +45,13 @@ from rich.progress import (
 
 from roll.utils.registry import Registry
 
+if TYPE_CHECKING:
+    from roll.config.common import TrackingConfig
+
 EVAL_PREFIX = "eval/"
+# Steps with these metrics are recorded whatever log_every says: evaluations, and health monitors that
+# fired (roll.health), which happen once.
+KEPT_PREFIXES = (EVAL_PREFIX, "health/")
 REWARD_KEY = "reward/mean"
 EVAL_SCORE_KEY = "eval/score"
 STEP_TIME_KEY = "time/step_s"
@@ -54,6 +69,31 @@ class TrackingContext:
     total_steps: int
     console: Console
     config: Mapping[str, Any] | None = field(default=None)
+    # The run's ``tracking`` section, for backends with options of their own (``tracking.wandb``).
+    options: TrackingConfig | None = None
+    # Set when the run resumes from a checkpoint that saved the tracker's state.
+    resume: TrackerResume | None = None
+
+
+@dataclass(frozen=True)
+class TrackerResume:
+    """What a checkpoint kept of the tracker: its step, and each backend's ``state()`` by backend name."""
+
+    step: int
+    states: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+# The tracker's state inside a checkpoint directory: a small JSON file, read before the checkpoint loads.
+TRACKER_STATE_FILE = "tracker.json"
+
+
+def read_tracker_state(checkpoint_dir: Path) -> TrackerResume | None:
+    """The tracker's state saved in ``checkpoint_dir``; None when it holds none (no backend had any)."""
+    path = Path(checkpoint_dir) / TRACKER_STATE_FILE
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    return TrackerResume(int(saved["step"]), saved["backends"])
 
 
 class TrackingBackend(ABC):
@@ -76,6 +116,14 @@ class TrackingBackend(ABC):
     def rewind(self, step: int) -> None:  # noqa: B027 - optional hook
         """Forget every record after ``step``: the run goes on from a checkpoint of that step, and each
         step must appear once."""
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:  # noqa: B027 - optional hook
+        """Record example generations of ``step``: one dict per sample, the same keys in each."""
+
+    def state(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps so that a run resumed from it continues this backend's run (a run id,
+        JSON-serialisable); None for a backend with nothing to continue."""
+        return None
 
 
 TRACKER_BACKENDS: Registry[type[TrackingBackend]] = Registry("tracking backend")
@@ -175,20 +223,15 @@ class ConsoleBackend(TrackingBackend):
             self.progress.stop()
 
 
-@TRACKER_BACKENDS.register("jsonl")
-class JsonlBackend(TrackingBackend):
-    """Appends ``{"step", "time", **metrics}`` to ``<output_dir>/metrics.jsonl``, one line per record.
+class JsonlFile:
+    """An append-only JSONL file of records that each hold a ``step``, flushed per line.
 
-    Each line is flushed as it is written, so a crashed process loses no recorded step. NaN and infinity
-    are written as ``null`` (the key is kept) because JSON has no literal for them and most readers
-    reject Python's ``NaN`` extension. Appending (not truncating) keeps the history of a resumed run.
+    Appending (not truncating) keeps the history of a resumed run; ``rewind`` cuts the records after a
+    step atomically (a crash keeps the old file).
     """
 
-    RESERVED_KEYS = ("step", "time")
-
-    def __init__(self, context: TrackingContext) -> None:
-        super().__init__(context)
-        self.path = context.output_dir / "metrics.jsonl"
+    def __init__(self, path: Path) -> None:
+        self.path = path
         self.file: IO[str] = self._open()
 
     def _open(self) -> IO[str]:
@@ -201,18 +244,11 @@ class JsonlBackend(TrackingBackend):
                 file.write("\n")
         return file
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        clash = [key for key in self.RESERVED_KEYS if key in metrics]
-        if clash:
-            raise ValueError(f"metric names {clash} are reserved by the JSONL record; rename them")
-        record: dict[str, Any] = {"step": step, "time": time.time()}
-        for key, value in metrics.items():
-            record[key] = value if math.isfinite(value) else None
-        self.file.write(json.dumps(record, allow_nan=False) + "\n")
+    def append(self, record: Mapping[str, Any]) -> None:
+        self.file.write(json.dumps(record, allow_nan=False, default=str) + "\n")
         self.file.flush()
 
     def rewind(self, step: int) -> None:
-        """Rewrite the file without the rows after ``step`` (atomically: a crash keeps the old file)."""
         self.file.close()
         kept = []
         for line in self.path.read_text(encoding="utf-8").splitlines():
@@ -228,6 +264,58 @@ class JsonlBackend(TrackingBackend):
 
     def close(self) -> None:
         self.file.close()
+
+
+def _finite_or_none(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+@TRACKER_BACKENDS.register("jsonl")
+class JsonlBackend(TrackingBackend):
+    """Appends ``{"step", "time", **metrics}`` to ``<output_dir>/metrics.jsonl``, one line per record, and
+    example generations to ``<output_dir>/samples.jsonl`` (``{"step", **sample}`` per sample).
+
+    Each line is flushed as it is written, so a crashed process loses no recorded step. NaN and infinity
+    are written as ``null`` (the key is kept) because JSON has no literal for them and most readers
+    reject Python's ``NaN`` extension.
+    """
+
+    RESERVED_KEYS = ("step", "time")
+
+    def __init__(self, context: TrackingContext) -> None:
+        super().__init__(context)
+        self.path = context.output_dir / "metrics.jsonl"
+        self.metrics = JsonlFile(self.path)
+        self.samples_path = context.output_dir / "samples.jsonl"
+        # Opened at the first samples, so a run that logs none leaves no empty file.
+        self.samples: JsonlFile | None = None
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clash = [key for key in self.RESERVED_KEYS if key in metrics]
+        if clash:
+            raise ValueError(f"metric names {clash} are reserved by the JSONL record; rename them")
+        record: dict[str, Any] = {"step": step, "time": time.time()}
+        record.update((key, _finite_or_none(value)) for key, value in metrics.items())
+        self.metrics.append(record)
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        if self.samples is None:
+            self.samples = JsonlFile(self.samples_path)
+        for sample in samples:
+            self.samples.append({"step": step, **{k: _finite_or_none(v) for k, v in sample.items()}})
+
+    def rewind(self, step: int) -> None:
+        """Rewrite the files without the records after ``step``."""
+        self.metrics.rewind(step)
+        if self.samples is None and self.samples_path.exists():
+            self.samples = JsonlFile(self.samples_path)
+        if self.samples is not None:
+            self.samples.rewind(step)
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.samples is not None:
+            self.samples.close()
 
 
 @TRACKER_BACKENDS.register("tensorboard")
@@ -282,7 +370,8 @@ class Tracker:
     """Fans one run's metrics out to the chosen backends and owns the console for the run's messages.
 
     Every ``log`` call moves the progress bar; backends record a step when ``step % log_every == 0`` or
-    when the metrics contain an ``eval/`` entry, so evaluation results are never thinned out.
+    when the metrics contain an ``eval/`` or ``health/`` entry, so evaluation results and health alerts are
+    never thinned out.
     """
 
     def __init__(
@@ -294,18 +383,25 @@ class Tracker:
         log_every: int = 1,
         config: Mapping[str, Any] | None = None,
         console: Console | None = None,
+        samples_every: int = 0,
+        options: TrackingConfig | None = None,
+        resume: TrackerResume | None = None,
     ) -> None:
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {log_every}")
         if total_steps < 0:
             raise ValueError(f"total_steps must be >= 0, got {total_steps}")
         # Resolve every name first so a typo fails before any file or display is created.
-        classes = [TRACKER_BACKENDS.get(name) for name in dict.fromkeys(backends)]
+        self.names = list(dict.fromkeys(backends))
+        classes = [TRACKER_BACKENDS.get(name) for name in self.names]
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.log_every = log_every
+        self.samples_every = samples_every
         self.console = console if console is not None else Console()
-        context = TrackingContext(self.output_dir, run_name, total_steps, self.console, config)
+        context = TrackingContext(
+            self.output_dir, run_name, total_steps, self.console, config, options=options, resume=resume
+        )
         self.backends: list[TrackingBackend] = []
         self.closed = False
         try:
@@ -321,14 +417,32 @@ class Tracker:
         values = {key: _as_number(key, value) for key, value in metrics.items()}
         for backend in self.backends:
             backend.advance(step, values)
-        if step % self.log_every == 0 or any(key.startswith(EVAL_PREFIX) for key in values):
+        if step % self.log_every == 0 or any(key.startswith(KEPT_PREFIXES) for key in values):
             for backend in self.backends:
                 backend.log(step, values)
+
+    def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
+        """Example generations of ``step``, recorded every ``samples_every`` steps (0: never)."""
+        if self.closed:
+            raise RuntimeError("Tracker.log_samples called after close()")
+        if not samples or not self.samples_every or step % self.samples_every:
+            return
+        rows = [dict(sample) for sample in samples]
+        for backend in self.backends:
+            backend.log_samples(step, rows)
 
     def rewind(self, step: int) -> None:
         """Drop what every backend recorded after ``step`` (resuming from a checkpoint of that step)."""
         for backend in self.backends:
             backend.rewind(step)
+
+    def save_state(self, checkpoint_dir: Path, step: int) -> None:
+        """Write the backends' ``state()`` into the checkpoint of ``step`` (nothing when none has any)."""
+        states = {name: backend.state() for name, backend in zip(self.names, self.backends, strict=True)}
+        states = {name: state for name, state in states.items() if state is not None}
+        if states:
+            text = json.dumps({"step": step, "backends": states}, indent=1)
+            (Path(checkpoint_dir) / TRACKER_STATE_FILE).write_text(text, encoding="utf-8")
 
     def print(self, message: str) -> None:
         """Print plain text (no rich markup is interpreted) above the progress bar."""
@@ -358,3 +472,7 @@ class Tracker:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
+
+
+# Registered last: the W&B and MLflow backends subclass what this module defines.
+import roll.trackers  # noqa: E402, F401

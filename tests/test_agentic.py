@@ -250,6 +250,7 @@ def test_asynchronous_step_wise_episodes_recover_killed_workers_without_losing_a
         # Rows are turns, padded to the 2 mini-batches.
         assert row["rollout/turn_samples"] == pytest.approx(row["episode/turns"] * 4)
         assert (row["rollout/turn_samples"] + row["rollout/padding_samples"]) % 2 == 0
+        assert row["rollout/samples"] == row["rollout/turn_samples"]  # trained rows, padding left out
     # 2 optimizer steps per RL step of a linear schedule over 6: the mean LR of step k's two.
     expected = [1e-4 * (1 - (4 * k - 3) / 12) for k in (1, 2, 3)]  # mean of 1 - s/6, s = 2k-2, 2k-1
     assert [row["actor/lr"] for row in rows] == pytest.approx(expected)

@@ -57,8 +57,8 @@ BAD_SETTINGS = [
         ["domains.m.train_path: 'x.jsonl' does not exist", "set exactly one"],
     ),
     (
-        ["tracking.backends=[console,wandb]"],
-        ["tracking.backends", "'wandb'", "console, jsonl, tensorboard"],
+        ["tracking.backends=[console,neptune]"],
+        ["tracking.backends", "'neptune'", "console, jsonl, mlflow, tensorboard, wandb"],
     ),
     (["tracking.log_every=0"], ["tracking.log_every must be >= 1 (got 0)"]),
     (["rollout.top_p=-0.5"], ["rollout.top_p must be in (0, 1] (got -0.5)"]),
@@ -170,9 +170,17 @@ def test_a_config_path_that_is_a_directory(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("key", ["data.train_path", "data.eval_path"])
-def test_a_data_path_that_is_a_directory(tmp_path: Path, key: str) -> None:
+def test_a_data_path_that_is_a_directory_datasets_did_not_save(tmp_path: Path, key: str) -> None:
     message = rejected(tmp_path / "run", QUICKSTART, f"{key}={tmp_path}")
-    assert f"{key}: '{tmp_path}' is a directory, not a file" in message
+    assert f"{key}: '{tmp_path}' is a directory, but not a dataset saved with Hugging Face" in message
+
+
+def test_a_data_file_of_an_unknown_format(tmp_path: Path) -> None:
+    data = tmp_path / "rows.txt"
+    data.write_text("1+1\n")
+    message = rejected(tmp_path / "run", QUICKSTART, f"data.train_path={data}")
+    assert f"data.train_path: dataset file '{data}' has extension '.txt', which names no" in message
+    assert ".jsonl, .json, .parquet, .arrow, .csv" in message
 
 
 def write_rows(path: Path, rows: list[dict]) -> Path:

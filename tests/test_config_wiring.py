@@ -17,6 +17,7 @@ from roll.config.rlvr import (
     ActorConfig,
     AlgorithmConfig,
     CriticConfig,
+    LoRAConfig,
     RewardShapingConfig,
     RLVRConfig,
     RolloutConfig,
@@ -40,6 +41,7 @@ OTHER_VALUES = {
     "loss_agg_mode": "seq-mean-token-sum",
     "kl_estimator": "k1",
     "clip": 0.5,
+    "lora": LoRAConfig(),
 }
 # Options that only mean something together with another, set in both the plans compared.
 COMPANIONS = {

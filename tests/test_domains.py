@@ -404,4 +404,4 @@ def test_the_example_config_loads_and_documents_its_domains(repo_root: Path, mon
     assert list(cfg.domains) == ["math", "countdown", "code"]
     assert [d.ratio for d in cfg.domains.values()] == [1.0, 1.0, 0.5]
     text = to_yaml(cfg, with_docs=True)
-    assert "train_path: examples/data/multi_domain/code/train.jsonl  # JSONL file of this domain's" in text
+    assert "train_path: examples/data/multi_domain/code/train.jsonl  # This domain's training rows" in text

@@ -53,6 +53,7 @@ def test_sft_pipeline_learns_and_saves_a_loadable_model(repo_root, tmp_path):
     rows = metrics(out)
     losses = [row["sft/loss"] for row in rows if "sft/loss" in row]
     assert len(losses) == 200 and losses[-1] < 0.5 * losses[0], losses[::20]
+    assert {row["sft/samples"] for row in rows if "sft/loss" in row} == {64}  # train.batch_size
     assert [row["step"] for row in rows if "eval/score" in row] == [0, 100, 200]
 
     from roll.models.loading import load_causal_lm, load_tokenizer
@@ -90,6 +91,7 @@ def test_rlvr_with_kl_minibatches_and_several_ranks_per_role(repo_root, tmp_path
         assert row["actor/kl"] >= 0.0
         assert row["time/logprobs_s"] > 0.0
         assert 0.0 <= row["actor/clip_frac"] <= 1.0
+        assert row["rollout/samples"] == 64  # 8 prompts x 8 samples, no padding: roll plot --x samples
     assert (out / "model" / "config.json").is_file()
 
 

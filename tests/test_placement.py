@@ -97,6 +97,7 @@ def test_second_table_cannot_reserve_held_devices_and_leaves_nothing_behind(tabl
 # ------------------------------------------------------------------ placed clusters
 
 
+@pytest.mark.slow  # starts several placed clusters: about 25 s
 def test_placed_clusters_run_where_their_plans_say(table, make_cluster):
     """A colocated plan (actor [0, 1] + rollout [0, 1]), a disaggregated one (the same actor + rollout
     [2, 3]) and a model-parallel role (2 devices per worker). Every actor starts worker processes that

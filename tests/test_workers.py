@@ -185,6 +185,7 @@ def test_stuck_rollout_worker_makes_weight_transfer_time_out(tiny_model_path):
         rollout.kill()
 
 
+@pytest.mark.slow  # two FSDP2 ranks against one: about 20 s
 def test_two_rank_fsdp_training_equals_one_rank(tiny_model_path, prompts, tmp_path):
     """2 FSDP2 ranks x half batch == 1 rank x whole batch, losses within 1e-4 over 3 steps, also with
     dynamic micro-batches (a token budget that gives the two ranks different micro-batch counts); the

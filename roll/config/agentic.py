@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from roll.config.common import CheckpointConfig, ModelConfig, RayConfig, TrackingConfig
 from roll.config.fields import option
+from roll.config.health import HealthConfig
 from roll.config.rlvr import ActorConfig, AlgorithmConfig, CriticConfig, RolloutConfig
 from roll.config.sft import SFTTrainConfig
 
@@ -147,4 +148,7 @@ class AgenticConfig:
         default_factory=CheckpointConfig, metadata={"help": "Checkpoints, resume and automatic recovery."}
     )
     tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"help": "Metric sinks."})
+    health: HealthConfig = field(
+        default_factory=HealthConfig, metadata={"help": "Run-health monitors (docs/health.md)."}
+    )
     ray: RayConfig = field(default_factory=RayConfig, metadata={"help": "Ray connection."})

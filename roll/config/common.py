@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from roll.config.fields import option
+from roll.data.columns import DEFAULT_COLUMNS
 
 
 @dataclass
@@ -38,15 +39,27 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """JSONL rows, one prompt each; every field of a row also reaches the reward function."""
+    """Dataset rows, one prompt each; every field of a row also reaches the reward function."""
 
     train_path: str | None = option(
-        None, help="JSONL file of training rows (required, except in an RLVR run with `domains`)."
+        None,
+        help="Training rows: a .jsonl, .json, .parquet, .arrow or .csv file, or a directory saved with "
+        "datasets' save_to_disk (a DatasetDict: DIR/<split>). Required, except in an RLVR run with "
+        "`domains`.",
     )
-    eval_path: str | None = option(None, help="JSONL file of held-out rows for greedy evaluation.")
-    prompt_key: str = option("prompt", help="Row field holding the prompt text.")
-    response_key: str = option("answer", help="Row field holding the reference response (the SFT target).")
-    apply_chat_template: bool = option(True, help="Wrap prompts in the tokenizer's chat template.")
+    eval_path: str | None = option(
+        None, help="Held-out rows for greedy evaluation, in any format train_path takes."
+    )
+    columns: dict[str, str] = option(
+        dict(DEFAULT_COLUMNS),
+        help="Your column names for the fields ROLL reads, merged over {prompt: prompt, answer: answer}, "
+        "e.g. {prompt: question, answer: solution}. prompt: text, or a list of {role, content} messages; "
+        "answer: the SFT target and what rewards compare with.",
+    )
+    apply_chat_template: bool = option(
+        True,
+        help="Wrap prompts in the tokenizer's chat template (needed for prompts given as message lists).",
+    )
     max_prompt_length: int = option(
         64, gt=0, help="Prompts longer than this many tokens are rejected at load."
     )
@@ -95,15 +108,63 @@ def cluster_to_join(ray: RayConfig) -> tuple[str, str] | None:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases run options, read when tracking.backends has wandb."""
+
+    project: str | None = option(None, help="W&B project (unset: WANDB_PROJECT, else W&B's default).")
+    entity: str | None = option(None, help="W&B user or team (unset: WANDB_ENTITY, else your default).")
+    mode: Literal["online", "offline"] | None = option(
+        None,
+        help="offline writes the run under <output_dir>/wandb for a later `wandb sync` (no network); "
+        "unset: WANDB_MODE, else online.",
+    )
+    tags: list[str] = option([], help="Tags of the W&B run.")
+    rewind: bool = option(
+        True,
+        help="On resume, rewind the W&B run to the checkpoint's step so the steps after it hold the resumed "
+        "run's values (W&B run rewind, a preview feature of W&B cloud). false, or when the server refuses: "
+        "the run continues and the steps W&B already holds keep their first values.",
+    )
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow run options, read when tracking.backends has mlflow."""
+
+    tracking_uri: str | None = option(
+        None,
+        help="MLflow tracking server or store, e.g. http://host:5000 or sqlite:///mlflow.db (unset: "
+        "MLFLOW_TRACKING_URI, else MLflow's default store in the working directory).",
+    )
+    experiment: str | None = option(
+        None,
+        help="MLflow experiment, created when missing (unset: MLFLOW_EXPERIMENT_NAME, else 'Default').",
+    )
+
+
+@dataclass
 class TrackingConfig:
     """Where metrics go."""
 
     backends: list[str] = option(
-        ["console", "jsonl", "tensorboard"], help="Metric sinks: console, jsonl, tensorboard."
+        ["console", "jsonl", "tensorboard"],
+        help="Metric sinks: console, jsonl, tensorboard, wandb (pip install 'roll-rl[wandb]'), mlflow "
+        "(pip install 'roll-rl[mlflow]').",
     )
     log_every: int = option(
         1, ge=1, help="Write metrics every N steps (console prints a line every N steps too)."
     )
+    samples_every: int = option(
+        10,
+        ge=0,
+        help="Record example generations (prompt, response, reward) every N steps: to samples.jsonl and "
+        "as tables in trackers that have them (0: never).",
+    )
+    samples_per_step: int = option(
+        4, ge=1, help="Example generations recorded per step, each from a different prompt group."
+    )
+    wandb: WandbConfig = option(WandbConfig(), help="Weights & Biases options (backend wandb).")
+    mlflow: MlflowConfig = option(MlflowConfig(), help="MLflow options (backend mlflow).")
 
 
 @dataclass

@@ -143,9 +143,19 @@ def _first_line(e: OmegaConfBaseException) -> str:
     return message.replace("Did you mean: ", "Did you mean ")
 
 
+# Keys that an older config may still hold -> what replaced them.
+REPLACED_KEYS = {
+    "data.prompt_key": "data.columns.prompt (data.columns maps your column names onto ROLL's)",
+    "data.response_key": "data.columns.answer (data.columns maps your column names onto ROLL's)",
+}
+
+
 def _unknown_key_hint(e: OmegaConfBaseException, schema: type) -> str:
-    """OmegaConf suggests near-misses inside a section; at the top level add the section list."""
+    """OmegaConf suggests near-misses inside a section; at the top level add the section list. A key
+    that was replaced names its replacement."""
     key = str(getattr(e, "full_key", "") or "")
+    if key in REPLACED_KEYS:
+        return f"; it was replaced by {REPLACED_KEYS[key]}"
     if "not in" not in str(e) or "." in key or "Did you mean" in str(e):
         return ""
     names = [f.name for f in dataclasses.fields(schema)]

@@ -14,6 +14,7 @@ from roll.config.common import (
     TrackingConfig,
 )
 from roll.config.fields import option
+from roll.config.health import HealthConfig
 from roll.config.sft import SFTTrainConfig
 from roll.data.domains import DEFAULT_DOMAIN
 
@@ -101,6 +102,20 @@ class RolloutConfig:
         "are at most this many weight versions old (older ones are aborted and their prompts redrawn). "
         "Needs rollout workers on devices apart from the actor's (or CPU workers). 0: synchronous.",
     )
+    sync_probe_sequences: int = option(
+        4,
+        ge=0,
+        help="After every weight sync the trainer and each rollout worker score this many fixed token "
+        "sequences (16 tokens each); a logprob that differs by more than sync_probe_tolerance fails the run "
+        "naming the weights version (logged as sync/max_logprob_diff). Catches a sync that delivered "
+        "nothing or the wrong weights. 0: no check.",
+    )
+    sync_probe_tolerance: float | None = option(
+        None,
+        gt=0,
+        help="Largest allowed |trainer - engine| logprob on the sync probe. Unset: 1e-3 with model.dtype "
+        "float32, 0.1 with bfloat16/float16 (rounding alone moves bf16 logprobs by a few hundredths).",
+    )
     hybrid_engine: bool = option(
         False,
         help="Generate with the actor's own model in the actor's processes (peers' 'hybrid engine'): no "
@@ -110,8 +125,31 @@ class RolloutConfig:
 
 
 @dataclass
-class ActorConfig:
-    """The trained policy: PPO-style updates on the rollout batch."""
+class LoRAConfig:
+    """A LoRA adapter (peft) trained in place of the whole policy: W = W_base + (alpha / rank) B A on each
+    targeted linear layer, the base frozen. See docs/lora.md for what it saves and how weights sync."""
+
+    rank: int = option(8, gt=0, help="Rank r of each adapter (A is r x in, B is out x r).")
+    alpha: float = option(
+        16.0, gt=0, help="Scale numerator: the update is (alpha / rank) B A; 2 x rank is the usual choice."
+    )
+    dropout: float = option(
+        0.0,
+        ge=0,
+        help="Dropout on the adapter's input while training. 0 keeps the trainer's logprobs deterministic "
+        "(RL compares them with the engine's and the old policy's).",
+    )
+    target_modules: list[str] = option(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        help="Names of the linear layers inside the transformer blocks that get an adapter (matched as the "
+        "last part of the module name); checked against the model before the run starts. Default: every "
+        "linear layer of a Qwen2/Llama block.",
+    )
+
+
+@dataclass
+class TrainerConfig:
+    """What the sections of every trained model (actor, critic) share: ranks, optimizer, batches."""
 
     world_size: int | None = option(
         None,
@@ -149,6 +187,18 @@ class ActorConfig:
         ge=1,
         help="Dynamic micro-batches: pack samples up to this many real (prompt + response) tokens per "
         "forward/backward instead of micro_batch_size samples (unset: fixed micro_batch_size).",
+    )
+
+
+@dataclass
+class ActorConfig(TrainerConfig):
+    """The trained policy: PPO-style updates on the rollout batch."""
+
+    lora: LoRAConfig | None = option(
+        None,
+        help="Train a LoRA adapter instead of every weight (e.g. actor.lora.rank=8). The reference model is "
+        "then the actor with its adapter off (no second copy) and weight syncs send the adapter. Unset: full "
+        "fine-tuning.",
     )
 
 
@@ -254,7 +304,7 @@ class AlgorithmConfig:
 
 
 @dataclass
-class CriticConfig(ActorConfig):
+class CriticConfig(TrainerConfig):
     """The value model for gae: the policy's backbone with a scalar head, trained on the returns."""
 
     model_path: str | None = option(
@@ -271,9 +321,12 @@ class DomainConfig:
     """One task family of a multi-domain run (math, code, puzzles, ...): its data, its share of every
     rollout batch, its reward and its reward workers."""
 
-    train_path: str = option(help="JSONL file of this domain's training rows.")
+    train_path: str = option(help="This domain's training rows, in any format data.train_path takes.")
     eval_path: str | None = option(
-        None, help="JSONL file of held-out rows, scored as eval/<domain>/score (unset: not evaluated)."
+        None, help="Held-out rows, scored as eval/<domain>/score (unset: not evaluated)."
+    )
+    columns: dict[str, str] = option(
+        {}, help="This domain's column names, merged over data.columns, e.g. {prompt: problem}."
     )
     ratio: float = option(
         1.0, gt=0, help="Share of each rollout batch's prompts; ratios are relative to the other domains'."
@@ -345,6 +398,9 @@ class RLVRConfig:
         default_factory=CheckpointConfig, metadata={"help": "Checkpoints, resume and automatic recovery."}
     )
     tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"help": "Metric sinks."})
+    health: HealthConfig = field(
+        default_factory=HealthConfig, metadata={"help": "Run-health monitors (docs/health.md)."}
+    )
     ray: RayConfig = field(default_factory=RayConfig, metadata={"help": "Ray connection."})
 
 

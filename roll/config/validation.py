@@ -14,6 +14,7 @@ from roll.config.common import EvalConfig, ModelConfig, TrackingConfig
 from roll.config.fields import out_of_bounds
 from roll.config.rlvr import ActorConfig, DomainConfig, RLVRConfig, RolloutConfig, off_policy_corrected
 from roll.config.sft import SFTConfig, SFTTrainConfig
+from roll.data.columns import check_columns
 from roll.utils.registry import Registry
 
 # What one RLVR step samples: every batch of responses is split by this count.
@@ -36,11 +37,21 @@ def check_model_dir(key: str, path: str) -> list[str]:
     return []
 
 
-def check_file(key: str, path: str | None) -> list[str]:
-    if path is None or Path(path).is_file():
+def check_data_path(key: str, path: str | None) -> list[str]:
+    """``path`` is a dataset in a format ROLL reads (by its extension, or a saved dataset directory);
+    its rows are checked by preflight."""
+    from roll.data.dataset import DatasetError
+    from roll.data.formats import data_format
+
+    if path is None:
         return []
-    what = "is a directory, not a file" if Path(path).is_dir() else "does not exist"
-    return [f"{key}: '{path}' {what} (paths are relative to the working directory {Path.cwd()})"]
+    if not Path(path).exists():
+        return [f"{key}: '{path}' does not exist (paths are relative to the working directory {Path.cwd()})"]
+    try:
+        data_format(path)
+    except DatasetError as e:
+        return [f"{key}: {e}"]
+    return []
 
 
 def check_divides(divisor_key: str, divisor: int, total_key: str, total: int) -> list[str]:
@@ -93,23 +104,48 @@ def check_tiny_model(model: ModelConfig) -> list[str]:
 
 
 def check_tracking(tracking: TrackingConfig) -> list[str]:
+    import dataclasses
+
     from roll.tracking import TRACKER_BACKENDS
+    from roll.utils.extras import install_hint, is_installed
 
     problems = []
     for name in tracking.backends:
-        problems += check_registry("tracking.backends", name, TRACKER_BACKENDS)
+        found = check_registry("tracking.backends", name, TRACKER_BACKENDS)
+        problems += found
+        extra = None if found else TRACKER_BACKENDS.traits(name).get("extra")
+        # Looked up, not imported: a load stays fast, and the run fails here rather than after Ray starts.
+        if extra is not None and not is_installed(extra):
+            problems.append(
+                f"tracking.backends: '{name}' needs the {extra} package: {install_hint(extra)} "
+                f"(or remove {name} from tracking.backends)"
+            )
+    # A backend's own options with the backend off would be read by nothing: most likely a forgotten backend.
+    for name in ("wandb", "mlflow"):
+        section, defaults = getattr(tracking, name), type(getattr(tracking, name))()
+        changed = [
+            f"tracking.{name}.{f.name}"
+            for f in dataclasses.fields(section)
+            if getattr(section, f.name) != getattr(defaults, f.name)
+        ]
+        if changed and name not in tracking.backends:
+            problems.append(
+                f"{', '.join(changed)} set, but tracking.backends has no {name}: add {name} to "
+                "tracking.backends or remove these keys"
+            )
     return problems
 
 
 def check_common(cfg: RLVRConfig | SFTConfig) -> list[str]:
     """Checks every pipeline shares: the model, the data files, metric sinks."""
     problems = check_model(cfg.model) + check_tiny_model(cfg.model) + check_tracking(cfg.tracking)
+    problems += check_columns("data.columns", cfg.data.columns)
     if isinstance(cfg, RLVRConfig) and cfg.domains:
         return problems + check_domains(cfg)
     if cfg.data.train_path is None:
-        return problems + ["data.train_path is required: set it to a JSONL file of training rows"]
-    problems += check_file("data.train_path", cfg.data.train_path)
-    problems += check_file("data.eval_path", cfg.data.eval_path)
+        return problems + ["data.train_path is required: set it to the dataset of training rows"]
+    problems += check_data_path("data.train_path", cfg.data.train_path)
+    problems += check_data_path("data.eval_path", cfg.data.eval_path)
     return problems + check_eval(cfg.eval, cfg.data.eval_path)
 
 
@@ -179,8 +215,9 @@ def check_reward_workers(cfg: RLVRConfig) -> list[str]:
 
 
 def check_domain(key: str, domain: DomainConfig) -> list[str]:
-    problems = check_file(f"{key}.train_path", domain.train_path)
-    problems += check_file(f"{key}.eval_path", domain.eval_path)
+    problems = check_data_path(f"{key}.train_path", domain.train_path)
+    problems += check_data_path(f"{key}.eval_path", domain.eval_path)
+    problems += check_columns(f"{key}.columns", domain.columns)
     if (domain.reward is None) == (not domain.rewards):
         problems.append(
             f"{key}: set exactly one of `reward` (one registry name) and `rewards` (name -> weight)"
@@ -214,6 +251,20 @@ def validate_sft(cfg: SFTConfig) -> list[str]:
         problems.append(
             "checkpoint.standby_workers is not supported by pipeline: sft (its one trainer restarts from "
             "the last checkpoint when lost); remove it"
+        )
+    return problems
+
+
+def check_lora(cfg: RLVRConfig | AgenticConfig) -> list[str]:
+    """``actor.lora`` on its own; its targets are checked against the model in preflight."""
+    problems = []
+    lora = cfg.actor.lora
+    if lora is not None and lora.dropout >= 1:
+        problems.append(f"actor.lora.dropout must be below 1 (got {lora.dropout}); 0 is the usual choice")
+    if lora is not None and not lora.target_modules:
+        problems.append(
+            "actor.lora.target_modules is empty, so nothing would train; name the linear layers to adapt, "
+            "e.g. [q_proj, v_proj]"
         )
     return problems
 
@@ -355,6 +406,13 @@ def check_hybrid_engine(cfg: RLVRConfig) -> list[str]:
         )
     if rollout.max_running_requests is not None:
         problems.append(f"rollout.max_running_requests: applies to rollout workers only; unset it or {hint}")
+    probe_default = RolloutConfig.__dataclass_fields__["sync_probe_sequences"].default
+    if rollout.sync_probe_sequences != probe_default or rollout.sync_probe_tolerance is not None:
+        problems.append(
+            f"rollout.sync_probe_sequences/sync_probe_tolerance check weight syncs to rollout workers; the "
+            f"hybrid engine generates with the trained weights themselves and syncs nothing; unset them or "
+            f"{hint}"
+        )
     if rollout.prefix_cache_tokens != RolloutConfig.__dataclass_fields__["prefix_cache_tokens"].default:
         problems.append(
             f"rollout.prefix_cache_tokens: rollout workers keep an episode's KV between turns; the hybrid "
@@ -450,11 +508,13 @@ def bounds_and_world_sizes(cfg: RLVRConfig | AgenticConfig) -> list[str]:
 
 def check_policy_training(cfg: RLVRConfig | AgenticConfig) -> list[str]:
     """What every pipeline that trains a policy on its samples (RLVR, agentic) checks alike: devices, the
-    critic's model, the hybrid engine, update batches, the algorithm and the inference engine."""
+    critic's model, the hybrid engine, update batches, the algorithm, the inference engine and the
+    health monitors."""
     from roll.config.devices import check_devices
+    from roll.config.health import check_health
 
     rollout = cfg.rollout
-    problems = check_devices(cfg)
+    problems = check_devices(cfg) + check_health(cfg.health)
     if cfg.critic is not None and cfg.critic.model_path is not None:
         problems += check_model_dir("critic.model_path", cfg.critic.model_path)
     samples = rollout.rollout_batch_size * rollout.num_return_sequences
@@ -463,7 +523,7 @@ def check_policy_training(cfg: RLVRConfig | AgenticConfig) -> list[str]:
     problems += check_update_batches("actor", cfg.actor, samples, rollout.num_return_sequences)
     if cfg.critic is not None:
         problems += check_update_batches("critic", cfg.critic, samples, rollout.num_return_sequences)
-    return problems + check_algorithm(cfg) + check_inference_engine(cfg)
+    return problems + check_algorithm(cfg) + check_inference_engine(cfg) + check_lora(cfg)
 
 
 def validate_rlvr(cfg: RLVRConfig) -> list[str]:

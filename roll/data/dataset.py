@@ -1,14 +1,14 @@
-"""JSONL prompt datasets and a resumable, seeded batch iterator over them."""
+"""JSONL prompt datasets and a resumable, seeded batch iterator over them (other formats: ``formats``)."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["DatasetError", "load_jsonl", "read_jsonl", "PromptIterator"]
+__all__ = ["DatasetError", "load_jsonl", "read_jsonl", "parse_jsonl", "PromptIterator"]
 
 
 class DatasetError(ValueError):
@@ -38,34 +38,43 @@ def read_jsonl(path: str | os.PathLike, required_keys: Sequence[str] = ()) -> li
             f"dataset file '{path}' {what} (set data.train_path / data.eval_path to a JSONL file; "
             f"relative paths are resolved from the working directory {os.getcwd()})"
         )
-    rows: list[tuple[int, dict]] = []
     with file.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                # utf-8-sig: a byte-order mark that some editors write first is not part of the JSON.
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise DatasetError(
-                    f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                    "JSONL files must be UTF-8: re-save the file as UTF-8"
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
-            missing = [k for k in required_keys if k not in row]
-            if missing:
-                raise DatasetError(
-                    f"{where}: row is missing required key(s) {missing}; the row has keys {sorted(row)}"
-                )
-            rows.append((lineno, row))
+        rows = parse_jsonl(path, f, required_keys)
     if not rows:
         raise DatasetError(f"dataset file '{path}' has no rows (it is empty or only blank lines)")
+    return rows
+
+
+def parse_jsonl(
+    path: str | os.PathLike, lines: Iterable[bytes], required_keys: Sequence[str] = ()
+) -> list[tuple[int, dict]]:
+    """``(line number, row)`` for every JSON object in ``lines`` (the raw lines of ``path``, which names
+    them in errors); see ``read_jsonl``."""
+    rows: list[tuple[int, dict]] = []
+    for lineno, raw in enumerate(lines, start=1):
+        where = f"{path}:{lineno}"
+        try:
+            # utf-8-sig: a byte-order mark that some editors write first is not part of the JSON.
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            raise DatasetError(
+                f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                "JSONL files must be UTF-8: re-save the file as UTF-8"
+            ) from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise DatasetError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
+        missing = [k for k in required_keys if k not in row]
+        if missing:
+            raise DatasetError(
+                f"{where}: row is missing required key(s) {missing}; the row has keys {sorted(row)}"
+            )
+        rows.append((lineno, row))
     return rows
 
 

@@ -1,19 +1,23 @@
-"""Prompt datasets: JSONL rows rendered with the chat template and tokenised once, at load.
+"""Prompt datasets: rows of any supported format, their prompts rendered with the chat template and
+tokenised once, at load.
 
-Every problem a row can have (bad JSON or UTF-8, a missing field, a prompt too long for
-``data.max_prompt_length``, characters the tokenizer cannot represent) is a ``DatasetError`` naming the
-file and line, raised before any worker starts.
+Every problem a row can have (unparseable data, a missing column, a prompt that is empty, of the wrong
+type or too long for ``data.max_prompt_length``, characters the tokenizer cannot represent) is a
+``DatasetError`` naming the file and its line (JSONL) or row, raised before any worker starts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from roll.config.common import DataConfig
-from roll.data.dataset import DatasetError, read_jsonl
+from roll.data.columns import ANSWER, PROMPT, map_columns
+from roll.data.dataset import DatasetError
 from roll.data.domains import DEFAULT_DOMAIN
+from roll.data.formats import read_rows
+from roll.data.messages import Messages, checked_prompt
 
 
 @dataclass
@@ -65,12 +69,13 @@ class PromptSet:
         )
 
 
-def render_prompt(tokenizer: Any, prompt: str, apply_chat_template: bool) -> str:
+def render_prompt(tokenizer: Any, prompt: str | Messages, apply_chat_template: bool) -> str:
+    """The text the policy is prompted with: a text prompt as one user message, or a conversation, in
+    the chat template with its generation prompt; without the template, the text itself."""
     if not apply_chat_template:
         return prompt
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-    )
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 def unknown_pieces(tokenizer: Any, texts: list[str]) -> list[list[str]]:
@@ -115,17 +120,39 @@ def load_prompts(
     data: DataConfig,
     required_keys: Sequence[str] = (),
     target_key: str | None = None,
+    columns: Mapping[str, str] | None = None,
+    columns_key: str = "data.columns",
 ) -> PromptSet:
-    """Read a JSONL file and tokenise every prompt. ``target_key`` names a field the model is trained to
-    write (the SFT target), checked like the prompt for characters the tokenizer cannot represent."""
-    lines = read_jsonl(path, required_keys=(data.prompt_key, *required_keys))
-    wheres = [f"{path}:{lineno}" for lineno, _ in lines]
-    rows = [row for _, row in lines]
-    prompts = [str(row[data.prompt_key]) for row in rows]
-    check_representable(tokenizer, prompts, wheres, data.prompt_key)
+    """Read a dataset file (any supported format) and tokenise every prompt. ``target_key`` names a
+    field the model is trained to write (the SFT target), checked like the prompt for characters the
+    tokenizer cannot represent. ``columns`` (field -> column; default ``data.columns``, set under
+    ``columns_key``) renames the user's columns to the fields ROLL and the rewards read."""
+    columns = data.columns if columns is None else columns
+    located = read_rows(path)
+    wheres = [where for where, _ in located]
+    rows = map_columns(located, columns, (PROMPT, *required_keys), columns_key)
+    column = columns.get(PROMPT, PROMPT)
+    prompts = [
+        checked_prompt(row[PROMPT], where, column, data.apply_chat_template)
+        for where, row in zip(wheres, rows, strict=True)
+    ]
+    # The model reads every message of a conversation: each is checked like a text prompt.
+    contents = [
+        (where, text)
+        for where, prompt in zip(wheres, prompts, strict=True)
+        for text in ([prompt] if isinstance(prompt, str) else [m["content"] for m in prompt])
+    ]
+    check_representable(tokenizer, [text for _, text in contents], [where for where, _ in contents], column)
     if target_key is not None:
-        check_representable(tokenizer, [str(row[target_key]) for row in rows], wheres, target_key)
-    texts = [render_prompt(tokenizer, prompt, data.apply_chat_template) for prompt in prompts]
+        check_representable(
+            tokenizer, [str(row[target_key]) for row in rows], wheres, columns.get(target_key, target_key)
+        )
+    texts = [
+        _rendered(tokenizer, prompt, data.apply_chat_template, where)
+        for prompt, where in zip(prompts, wheres, strict=True)
+    ]
+    for row, prompt in zip(rows, prompts, strict=True):
+        row[PROMPT] = prompt  # without the nulls of an Arrow-backed conversation
     # verbose=False: a prompt beyond the model's length gets the error below, not transformers' warning.
     token_ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
     for where, ids in zip(wheres, token_ids, strict=True):
@@ -137,6 +164,16 @@ def load_prompts(
     return PromptSet(rows, texts, token_ids)
 
 
+def _rendered(tokenizer: Any, prompt: str | Messages, apply_chat_template: bool, where: str) -> str:
+    from jinja2 import TemplateError
+
+    try:
+        return render_prompt(tokenizer, prompt, apply_chat_template)
+    except (TemplateError, ValueError) as e:
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise DatasetError(f"{where}: the chat template of {name} cannot render the prompt: {e}") from None
+
+
 def load_datasets(
     data: DataConfig,
     tokenizer: Any,
@@ -146,8 +183,8 @@ def load_datasets(
 ) -> tuple[PromptSet, PromptSet | None]:
     """The training prompts and, when ``data.eval_path`` is set, the held-out ones; every row must have
     the listed fields (what the rewards and the SFT target read), checked now rather than mid-run. With
-    ``sft_targets`` the training rows' ``data.response_key`` is trained on and checked like a prompt."""
-    target = data.response_key if sft_targets else None
+    ``sft_targets`` the training rows' ``answer`` is trained on and checked like a prompt."""
+    target = ANSWER if sft_targets else None
     train = load_prompts(data.train_path, tokenizer, data, train_fields, target_key=target)
     held_out = load_prompts(data.eval_path, tokenizer, data, eval_fields) if data.eval_path else None
     return train, held_out

@@ -13,6 +13,10 @@ Two paths, picked once in :meth:`WeightSync.connect` by :func:`choose_transport`
 Both tag each transfer with a version the receivers check, and sharded trainer ranks help gather each
 bucket. A failure or a timeout is a ``WeightSyncError`` naming the sender and the receivers that failed
 or stopped answering, never a hang.
+
+What travels (the payload, ``roll.strategies.lora``): every weight, or from a LoRA actor only its adapter
+to engines that merge one themselves (``loads_adapters``) and the merged weights to the others. After
+each sync an optional ``SyncProbe`` checks that the engines now compute what the trainer does.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from roll.distributed.cluster import Cluster, ClusterFuture
 from roll.distributed.liveness import RankWatch
 from roll.distributed.shm_transfer import SHM_DIR, Endpoint
+from roll.distributed.sync_probe import SyncProbe
+from roll.strategies.lora import ADAPTER, FULL
 
 _group_ids = itertools.count()
 logger = logging.getLogger("roll")
@@ -106,16 +112,23 @@ class WeightSync:
         colocated: bool = False,
         transport: str = "auto",
         shm_dir: str = SHM_DIR,
+        payload: str = "auto",
+        probe: SyncProbe | None = None,
     ):
         """``colocated``: trainer and engines share GPUs. NCCL cannot put two ranks of a group on one GPU,
         so gloo carries such a transfer through host memory (a CUDA IPC path would avoid the copy).
         ``transport``: ``auto`` (shared memory where :func:`choose_transport` allows it) or
         ``collective`` (always the gloo/NCCL group, e.g. to compare). ``shm_dir``: where the shared
-        segment lives (``/dev/shm``; tests point it elsewhere)."""
+        segment lives (``/dev/shm``; tests point it elsewhere). ``payload``: ``auto`` (a LoRA actor's
+        adapter to engines that load adapters, merged weights to others, every weight from a fully trained
+        actor), or one the actor offers (``merged``, e.g. to compare bytes). ``probe``: checked after every
+        sync (its ``max_logprob_diff`` and ``probe_s`` join the stats)."""
         choose_transport(Endpoint("", "", "", "cpu", 0), [], 0, transport)  # rejects an unknown name now
         self.trainer, self.inference, self.colocated = trainer, inference, colocated
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.transport, self.shm_dir = transport, shm_dir
+        self.requested_payload, self.probe = payload, probe
+        self.payload = FULL
         self.plan: list[Any] | None = None
         self.backend = "gloo"
         self.path = COLLECTIVE
@@ -126,7 +139,16 @@ class WeightSync:
     def connect(self) -> None:
         """Agree on the bucket plan, pick the path and set it up (once, after both clusters are set up):
         map the shared segment on every end, or form the collective group."""
-        self.plan = self.trainer.weight_plan(self.bucket_bytes)
+        self.payload = self._choose_payload()
+        self.inference.set_weight_payload(self.payload)
+        sequences = self.probe.sequences if self.probe is not None else None
+        self._wait(
+            "giving both ends the sync probe",
+            self.trainer.set_sync_probe(sequences, blocking=False),
+            self.inference.set_sync_probe(sequences, blocking=False),
+            via="path not chosen yet",
+        )
+        self.plan = self.trainer.weight_plan(self.bucket_bytes, self.payload)
         nbytes = sum(bucket.nbytes for bucket in self.plan)
         choice = TransportChoice(COLLECTIVE, "the collective path was requested")
         if self.transport != COLLECTIVE:
@@ -145,14 +167,28 @@ class WeightSync:
         if self.path == COLLECTIVE:
             self._connect_collective()
         logger.info(
-            "weight sync %s -> %s: %s (%s), %d buckets, %.1f MB",
+            "weight sync %s -> %s: %s (%s), %s weights, %d buckets, %.1f MB",
             self.trainer.role,
             self.inference.role,
             self.path_name,
             self.reason,
+            self.payload,
             len(self.plan),
             nbytes / 1e6,
         )
+
+    def _choose_payload(self) -> str:
+        """The adapter alone when the actor trains one and every engine merges adapters itself; else
+        the merged weights (LoRA) or every weight."""
+        offered = self.trainer.weight_payloads()[0]
+        if self.requested_payload != "auto":
+            if self.requested_payload not in offered:
+                wanted = self.requested_payload
+                raise ValueError(f"the {self.trainer.role} offers {', '.join(offered)} weights, not {wanted}")
+            return self.requested_payload
+        if ADAPTER in offered and all(self.inference.loads_adapters()):
+            return ADAPTER
+        return offered[-1]
 
     @property
     def path_name(self) -> str:
@@ -201,7 +237,8 @@ class WeightSync:
     def sync(self, version: int) -> dict[str, Any]:
         """Send the trainer's current weights as ``version``; returns bytes, seconds, buckets, throughput
         (``gb_per_s``) and the ``path`` taken (``shm``, ``gloo`` or ``nccl``); the shared-memory path also
-        splits the time into ``write_s`` (trainer) and ``read_s`` (receivers loading)."""
+        splits the time into ``write_s`` (trainer) and ``read_s`` (receivers loading); ``payload`` says
+        what was sent, and with a probe ``max_logprob_diff`` and ``probe_s`` are added."""
         if version <= self.version:
             raise ValueError(
                 f"weights version {version} is not newer than the last one sent ({self.version})"
@@ -218,13 +255,13 @@ class WeightSync:
                 self.trainer.write_shared_weights(version, blocking=False),
             )
             written = time.perf_counter()
-            self._wait(
+            (received,) = self._wait(
                 f"loading weights version {version} from shared memory",
                 self.inference.load_shared_weights(version, blocking=False),
             )
             extra = {"write_s": written - start, "read_s": time.perf_counter() - written}
         else:
-            sent, _ = self._wait(
+            sent, received = self._wait(
                 f"sending weights version {version}",
                 self.trainer.send_weights(self.plan, version, self.timeout_s, blocking=False),
                 self.inference.receive_weights(self.plan, version, self.timeout_s, blocking=False),
@@ -232,12 +269,17 @@ class WeightSync:
         seconds = time.perf_counter() - start
         self.version = version
         nbytes = sent[0]["bytes"]
+        if self.probe is not None:  # raises SyncCheckError when an engine does not serve these weights
+            engines = [stats["probe_logprobs"] for stats in received]
+            extra.update(self.probe.compare(version, sent[0]["probe_logprobs"], engines))
+            extra["probe_s"] = sent[0]["probe_s"] + max(stats["probe_s"] for stats in received)
         return {
             "bytes": nbytes,
             "seconds": seconds,
             "buckets": sent[0]["buckets"],
             "gb_per_s": nbytes / seconds / 1e9,
             "path": self.path_name,
+            "payload": self.payload,
             **extra,
         }
 

@@ -17,7 +17,7 @@ from roll.data.padding import left_pad, right_pad
 from roll.data.prompts import PromptSet
 from roll.distributed.cluster import Cluster
 from roll.strategies.sampling import SamplingParams
-from roll.tracking import Tracker
+from roll.tracking import Tracker, read_tracker_state
 
 
 def prepare_model(model: ModelConfig, output_dir: str) -> str:
@@ -133,8 +133,10 @@ def is_eval_step(eval_cfg: EvalConfig, step: int, total_steps: int) -> bool:
     return step == total_steps or bool(eval_cfg.every_steps and step % eval_cfg.every_steps == 0)
 
 
-def open_tracker(config: Any, total_steps: int) -> Tracker:
-    """The run's metric sinks, as its ``tracking`` section asks, in its output directory."""
+def open_tracker(config: Any, total_steps: int, resume_from: Path | None = None) -> Tracker:
+    """The run's metric sinks, as its ``tracking`` section asks, in its output directory. Resuming from
+    the checkpoint ``resume_from``, the trackers with runs of their own (W&B, MLflow) continue the run its
+    ``tracker.json`` names: read now, since the tracker opens before the checkpoint loads."""
     return Tracker(
         config.output_dir,
         config.run_name,
@@ -142,7 +144,36 @@ def open_tracker(config: Any, total_steps: int) -> Tracker:
         config.tracking.backends,
         config.tracking.log_every,
         config=dataclasses.asdict(config),
+        samples_every=config.tracking.samples_every,
+        options=config.tracking,
+        resume=read_tracker_state(resume_from) if resume_from is not None else None,
     )
+
+
+def example_samples(batch: Batch, scores: torch.Tensor, tokenizer: Any, count: int) -> list[dict[str, Any]]:
+    """Up to ``count`` rows of a training batch, as text for a reader: the first row of each of the first
+    ``count`` prompt groups (padding rows skipped). Decoded for display only; nothing is trained on it."""
+    real = ~batch["padding"] if "padding" in batch else torch.ones(len(batch), dtype=torch.bool)
+    groups = batch["group_index"].tolist() if "group_index" in batch else list(range(len(batch)))
+    seen: set[int] = set()
+    rows: list[dict[str, Any]] = []
+    for index in range(len(batch)):
+        if len(rows) == count:
+            break
+        if not real[index] or groups[index] in seen:
+            continue
+        seen.add(groups[index])
+        prompt = batch["prompt_ids"][index][batch["prompt_mask"][index].bool()]
+        response = batch["response_ids"][index][batch["response_mask"][index].bool()]
+        rows.append(
+            {
+                "prompt": tokenizer.decode(prompt.tolist()),
+                "response": tokenizer.decode(response.tolist()),
+                "reward": float(scores[index]),
+                "response_length": len(response),
+            }
+        )
+    return rows
 
 
 def save_run_checkpoint(
@@ -168,6 +199,7 @@ def save_run_checkpoint(
             trainer.save_pretrained(str(directory / role / "hf"))
         state = {"step": step, "driver_rng": rng.capture(), **driver_state()}
         torch.save(state, directory / checkpoint.PIPELINE_STATE)
+        tracker.save_state(directory, step)
 
     root = checkpoint.checkpoints_root(config.output_dir)
     path = checkpoint.save_checkpoint(root, step, write, config.checkpoint.keep_last)

@@ -36,8 +36,15 @@ from roll.distributed.device_mapping import colocation_groups, is_colocated, val
 from roll.distributed.liveness import Liveness
 from roll.distributed.placement import DeviceTable, RankPlacement, place_role
 from roll.distributed.ray_utils import init_ray
+from roll.distributed.sync_probe import SyncProbe, probe_sequences
 from roll.distributed.weight_sync import WeightSync, WeightSyncError
-from roll.pipelines.common import StageTimer, prepare_model, setup_trainer, write_resolved_config
+from roll.pipelines.common import (
+    StageTimer,
+    example_samples,
+    prepare_model,
+    setup_trainer,
+    write_resolved_config,
+)
 from roll.pipelines.credit import (
     PER_TURN_FIELDS,
     advantage_metrics,
@@ -219,8 +226,9 @@ class PolicyPipeline(RunLoop):
 
     def _declare_roles(self) -> dict[str, Role]:
         """The run's roles: the actor; rollout workers unless the actor generates (hybrid engine); a
-        reference only with a KL term (the initial policy, on the actor's devices); a critic only when
-        configured; then the pipeline's own."""
+        reference only with a KL term and no LoRA (the initial policy, on the actor's devices; with LoRA
+        the actor's base weights are that policy); a critic only when configured; then the pipeline's
+        own."""
         cfg, plan = self.config, self.plan
         roles = {"actor": Role("actor", ActorWorker, cfg.actor.world_size, plan.actor, trainer=True)}
         if plan.critic is not None:
@@ -230,7 +238,7 @@ class PolicyPipeline(RunLoop):
                 "rollout", RolloutWorker, cfg.rollout.world_size, plan.rollout, replaceable=True
             )
         roles.update(self.extra_roles())
-        if cfg.algorithm.kl_coef > 0:
+        if reference_workers(cfg):
             holder = ModelHolder(plan.actor.model)
             roles["reference"] = Role(
                 "reference", ReferenceWorker, cfg.actor.world_size, holder, replaceable=True
@@ -276,15 +284,25 @@ class PolicyPipeline(RunLoop):
         return scheduler
 
     def _connect_weight_sync(self) -> WeightSync:
+        cfg = self.config
         sync = WeightSync(
             self.actor,
             self.rollout,
             bucket_bytes=self.plan.weight_bucket_bytes,
-            timeout_s=self.config.ray.call_timeout_s,
+            timeout_s=cfg.ray.call_timeout_s,
             colocated=is_colocated(self.role_devices["actor"], self.role_devices["rollout"]),
+            probe=self._sync_probe(),
         )
         sync.connect()
         return sync
+
+    def _sync_probe(self) -> SyncProbe | None:
+        """The check after every weight sync (``rollout.sync_probe_*``), or None when it is off."""
+        spec = self.plan.sync_probe
+        if spec is None:
+            return None
+        sequences = probe_sequences(len(self.tokenizer), spec.sequences, self.config.seed)
+        return SyncProbe(sequences, spec.tolerance)
 
     def _place_roles(self) -> Callable[[str], list[RankPlacement] | None]:
         """Each role's devices from the config; with any device mapping, a placement group over the
@@ -292,7 +310,7 @@ class PolicyPipeline(RunLoop):
         loads."""
         cfg = self.config
         self.role_devices = {role.role: role for role in device_roles(cfg)}
-        if cfg.algorithm.kl_coef > 0:  # the reference model lives on the actor's devices
+        if reference_workers(cfg):  # the reference model lives on the actor's devices
             self.role_devices["reference"] = dataclasses.replace(self.role_devices["actor"], role="reference")
         if not any(role.device_mapping is not None for role in self.role_devices.values()):
             return lambda role: None
@@ -328,27 +346,19 @@ class PolicyPipeline(RunLoop):
             )
         set_activity("saving the final model")
         final = self.actor.save_pretrained(str(Path(cfg.output_dir) / "model"))
-        tracker.print(f"final model saved to {final}")
+        if cfg.actor.lora is not None:
+            tracker.print(
+                f"final LoRA adapter saved to {final}; `roll export {cfg.output_dir} --merge` writes the "
+                "merged model"
+            )
+        else:
+            tracker.print(f"final model saved to {final}")
         if self.critic is not None:
             self.critic.save_pretrained(str(Path(cfg.output_dir) / "critic"))
         return results
 
     def evaluate_guarded(self) -> dict[str, float]:
         return self._replacing(self.evaluate)
-
-    def after_evaluate(self, tracker: Tracker, metrics: dict[str, float], results: dict[str, float]) -> None:
-        self._warn_on_collapse(tracker, metrics["eval/score"], results)
-
-    def _warn_on_collapse(self, tracker: Tracker, score: float, results: dict[str, float]) -> None:
-        """A silent collapse (the eval score falling far below its best) is the classic sign of a too-high
-        learning rate; say so while the run is still going."""
-        best = max(results.get("eval/best", 0.0), results.get("eval/score_before", 0.0))
-        if best > 0.1 and score < 0.5 * best:
-            tracker.print(
-                f"WARNING: eval/score fell to {score:.3f} from a best of {best:.3f}: the policy may be "
-                "collapsing; try a lower actor.lr, a kl_coef > 0 or a smaller clip ratio"
-            )
-        results["eval/best"] = max(best, score)
 
     # ----- checkpoints and recovery --------------------------------------------------------------------
 
@@ -503,7 +513,7 @@ class PolicyPipeline(RunLoop):
         token_rewards = token_level_rewards(
             scores, shaped, mask, batch["token_rewards"], response_mask=batch["response_mask"]
         )
-        if self.reference is not None and algo.kl_penalty == "reward":
+        if self.uses_reference and algo.kl_penalty == "reward":
             kl = kl_per_token(batch["old_logprobs"], batch["ref_logprobs"], mask, algo.kl_estimator)
             token_rewards = token_rewards - self.kl_coef * kl
             metrics["reward/kl"] = masked_mean(kl, mask).item()
@@ -531,15 +541,19 @@ class PolicyPipeline(RunLoop):
             with timer("sync"):
                 _add(metrics, self.colocation.use("actor", "rollout"))
                 sent = self._replacing(self._publish_weights)
-                metrics["sync/gb_per_s"] = sent["gb_per_s"]
+                metrics["sync/gb_per_s"], metrics["sync/bytes"] = sent["gb_per_s"], sent["bytes"]
+                if "max_logprob_diff" in sent:
+                    metrics["sync/max_logprob_diff"] = sent["max_logprob_diff"]
+                    metrics["time/sync_probe_s"] = sent["probe_s"]  # part of time/sync_s
         else:
             self._publish_weights()
-        if self.reference is not None:
+        if self.uses_reference:
             metrics["actor/kl_coef"] = self.kl_coef
             self._adapt_kl_coef(metrics, len(batch))
 
         step_time = time.perf_counter() - start
         tokens = float(lengths[real].sum() + batch["prompt_mask"][real].sum())
+        self.recent_samples = example_samples(batch, scores, self.tokenizer, cfg.tracking.samples_per_step)
         scores = scores[real]
         if self.plan.samples_per_prompt > 1:  # with one sample per prompt every "group" trivially agrees
             groups = batch["group_index"][real]
@@ -551,6 +565,7 @@ class PolicyPipeline(RunLoop):
             "reward/mean": scores.mean().item(),
             "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
             "response/length_mean": lengths[real].mean().item(),
+            "rollout/samples": int(real.sum()),  # trained rows: `roll plot --x samples` sums them
             **advantage_metrics(advantages, returns, mask),
             **metrics,
             **timer.metrics(),
@@ -565,10 +580,8 @@ class PolicyPipeline(RunLoop):
         once oversubscribe the threads and take longer than both in turn (measured: 110 ms at once
         vs 39 ms in turn for reference + old logprobs on 64 samples, docs/algorithms.md)."""
         temperature = self.config.rollout.temperature
-        if self.reference is not None:
-            _add(metrics, self.colocation.use("reference"))
-            reference = self._replacing(lambda: self.reference.compute_logprobs(_tensors(batch), temperature))
-            batch["ref_logprobs"] = reference["logprobs"]
+        if self.uses_reference:
+            batch["ref_logprobs"] = self._reference_logprobs(batch, temperature, metrics)
         if self.needs_old_logprobs:
             _add(metrics, self.colocation.use("actor"))
             batch["old_logprobs"] = self.actor.compute_logprobs(_tensors(batch), temperature)["logprobs"]
@@ -576,6 +589,23 @@ class PolicyPipeline(RunLoop):
             _add(metrics, self.colocation.use("critic"))
             batch["values"] = self.critic.compute_values(_tensors(batch))["values"]
         return batch
+
+    def _reference_logprobs(
+        self, batch: Batch, temperature: float, metrics: dict[str, float]
+    ) -> torch.Tensor:
+        """The initial policy's logprobs: from the reference workers, or with LoRA from the actor with its
+        adapter switched off (its frozen base is the initial policy)."""
+        if self.reference is None:
+            _add(metrics, self.colocation.use("actor"))
+            return self.actor.compute_reference_logprobs(_tensors(batch), temperature)["logprobs"]
+        _add(metrics, self.colocation.use("reference"))
+        reference = self._replacing(lambda: self.reference.compute_logprobs(_tensors(batch), temperature))
+        return reference["logprobs"]
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the step has a KL term to the initial policy."""
+        return self.config.algorithm.kl_coef > 0
 
     def _adapt_kl_coef(self, metrics: dict[str, float], batch_size: int) -> None:
         """With ``algorithm.kl_target``, steer the KL coefficient toward the target after each step."""
@@ -618,6 +648,12 @@ T = TypeVar("T")
 def _tensors(batch: Batch) -> Batch:
     """The tensor fields only: trainer, reference and critic workers read no text."""
     return batch.select_keys(batch.tensors)
+
+
+def reference_workers(cfg: Any) -> bool:
+    """Whether the run starts reference workers: a KL term needs the initial policy, which with LoRA is the
+    actor's own base weights (``ActorWorker.compute_reference_logprobs``), so no second copy is loaded."""
+    return cfg.algorithm.kl_coef > 0 and cfg.actor.lora is None
 
 
 @dataclasses.dataclass

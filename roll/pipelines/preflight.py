@@ -19,6 +19,7 @@ from typing import Any
 
 from roll.config.common import ModelConfig, RayConfig, cluster_to_join
 from roll.config.loader import ConfigError
+from roll.data.columns import ANSWER, merged_columns
 from roll.data.dataset import DatasetError
 from roll.data.prompts import PromptSet, load_datasets, load_prompts
 from roll.utils.registry import Registry
@@ -42,7 +43,7 @@ class DataNeeds:
 
     train_fields: tuple[str, ...]  # row fields the training rows must have
     eval_fields: tuple[str, ...]  # row fields the held-out rows must have
-    sft_targets: bool  # the training rows' data.response_key is trained on
+    sft_targets: bool  # the training rows' answer is trained on
     batches: dict[str, int]  # config key -> training rows one batch of it takes
 
 
@@ -63,7 +64,7 @@ def rlvr_data_needs(cfg: Any, domain: Any = None) -> DataNeeds:
         batches["sft_warm_start.batch_size"] = warm_start.batch_size
     train, held_out = domain_specs(domain or next(iter(run_domains(cfg).values())))
     return DataNeeds(
-        train_fields=required_fields(*train.names()) + ((cfg.data.response_key,) if warm_start else ()),
+        train_fields=required_fields(*train.names()) + ((ANSWER,) if warm_start else ()),
         eval_fields=required_fields(*held_out.names()),
         sft_targets=warm_start is not None,
         batches=batches,
@@ -75,7 +76,7 @@ def sft_data_needs(cfg: Any) -> DataNeeds:
     from roll.rewards import required_fields
 
     return DataNeeds(
-        train_fields=(cfg.data.response_key,),
+        train_fields=(ANSWER,),
         eval_fields=required_fields(cfg.reward),
         sft_targets=True,
         batches={"train.batch_size": cfg.train.batch_size},
@@ -91,7 +92,7 @@ def preflight(cfg: Any) -> RunInputs:
     problems += check_local_devices(cfg)
     _refuse(problems)
     tokenizer = load_run_tokenizer(cfg.model)
-    _refuse(check_stop_token_ids(cfg, tokenizer))
+    _refuse(check_stop_token_ids(cfg, tokenizer) + check_lora_targets(cfg, tokenizer))
     if cfg.pipeline == "agentic":  # no dataset: episodes come from the environment
         _refuse(check_chat_template(cfg, tokenizer))
         return RunInputs(tokenizer, None, None)
@@ -122,10 +123,16 @@ def load_domains(cfg: Any, tokenizer: Any) -> tuple[PromptSet, PromptSet | None]
     train, held_out = {}, {}
     for name, domain in cfg.domains.items():
         needs = rlvr_data_needs(cfg, domain)
-        target = cfg.data.response_key if needs.sft_targets else None
-        train[name] = load_prompts(domain.train_path, tokenizer, cfg.data, needs.train_fields, target)
+        target = ANSWER if needs.sft_targets else None
+        columns = merged_columns(cfg.data.columns, domain.columns)
+        key = f"domains.{name}.columns"
+        train[name] = load_prompts(
+            domain.train_path, tokenizer, cfg.data, needs.train_fields, target, columns, key
+        )
         if domain.eval_path:
-            held_out[name] = load_prompts(domain.eval_path, tokenizer, cfg.data, needs.eval_fields)
+            held_out[name] = load_prompts(
+                domain.eval_path, tokenizer, cfg.data, needs.eval_fields, None, columns, key
+            )
     mixed = PromptSet.concat(train)
     for key, size in rlvr_data_needs(cfg).batches.items():
         if size > len(mixed):
@@ -138,9 +145,10 @@ def load_domains(cfg: Any, tokenizer: Any) -> tuple[PromptSet, PromptSet | None]
 
 def check_chat_template(cfg: Any, tokenizer: Any) -> list[str]:
     """An agentic run builds episodes turn by turn with the policy's chat template: one that rewrites
-    earlier turns (some strip earlier reasoning) or closes no assistant turn with a stop token would
-    break token-in-token-out."""
+    earlier turns (Qwen3's strips earlier reasoning) or closes no assistant turn with a stop token would
+    break token-in-token-out. Other pipelines render each prompt once, so any template serves them."""
     from roll.data.chat_turns import ChatTemplateError, ChatTurns
+    from roll.data.template_history import history_rewrite
 
     if not getattr(tokenizer, "chat_template", None):
         return [
@@ -153,7 +161,8 @@ def check_chat_template(cfg: Any, tokenizer: Any) -> list[str]:
         chat.observation_ids("x")
     except ChatTemplateError as e:
         return [f"model: {e}"]
-    return []
+    rewrite = history_rewrite(tokenizer, cfg.env.system_prompt, _model_name(cfg.model))
+    return [f"model: {rewrite}"] if rewrite else []
 
 
 def _model_name(model: ModelConfig) -> str:
@@ -183,6 +192,34 @@ def check_stop_token_ids(cfg: Any, tokenizer: Any) -> list[str]:
         "tokens), so no response could stop at them; use ids below that, e.g. "
         "tokenizer.convert_tokens_to_ids('<|im_end|>')"
     ]
+
+
+def check_lora_targets(cfg: Any, tokenizer: Any) -> list[str]:
+    """``actor.lora.target_modules`` name linear layers of the policy's transformer blocks. The model is
+    built on the meta device from its config: layer names without loading (or allocating) a weight."""
+    lora = getattr(getattr(cfg, "actor", None), "lora", None)
+    if lora is None:
+        return []
+    from roll.strategies.lora import block_linear_names, target_problem
+
+    problem = target_problem(lora.target_modules, block_linear_names(meta_model(cfg.model, tokenizer)))
+    return [] if problem is None else [f"actor.lora.target_modules: {problem}"]
+
+
+def meta_model(model: ModelConfig, tokenizer: Any) -> Any:
+    """The policy's module tree on the meta device (shapes, no storage): from ``model.path``'s config, or
+    the tiny model ``model.tiny`` describes."""
+    import torch
+
+    with torch.device("meta"):
+        if model.path is None:
+            from roll.models.tiny import build_tiny_model
+
+            return build_tiny_model(model.tiny, tokenizer)
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model.path, local_files_only=True)
+        return AutoModelForCausalLM.from_config(config)
 
 
 def check_output_dir(output_dir: str) -> list[str]:

@@ -19,12 +19,15 @@ LOCK_FILE = ".roll.lock"
 RUN_FILES = (
     "config.yaml",
     "metrics.jsonl",
+    "samples.jsonl",
     "tensorboard",
+    "wandb",  # W&B's files of the run (offline runs to sync), unless WANDB_DIR puts them elsewhere
     checkpoint.CHECKPOINTS_DIR,
     "model",
     "critic",
     "sft",
     "tiny_model",
+    "health",
 )
 
 

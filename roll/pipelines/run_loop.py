@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from roll import checkpoint
 from roll.data.prompts import PromptSet
 from roll.distributed.cluster import Cluster, WorkerError
+from roll.health import HEALTH_PREFIX, HealthEvent, HealthMonitors, HealthStop, stop_message
 from roll.pipelines.common import (
     begin_run,
     checkpoint_due,
@@ -42,6 +44,10 @@ class RunLoop(abc.ABC):
     # How the run names its training in progress lines: "RL" -> "RL step 12 of 3000".
     name: str = "RL"
     restartable: tuple[type[BaseException], ...] = (WorkerError,)
+    # The run-health monitors (``roll.health``) of a config with a ``health`` section, while it trains.
+    health: HealthMonitors | None = None
+    # Example generations of the last step (``example_samples``), for the tracker and the health monitors.
+    recent_samples: Sequence[dict[str, Any]] = ()
 
     @property
     def evaluates(self) -> bool:
@@ -95,9 +101,6 @@ class RunLoop(abc.ABC):
         """``evaluate`` as the loop runs it (RLVR replaces lost stateless workers and tries again)."""
         return self.evaluate()
 
-    def after_evaluate(self, tracker: Tracker, metrics: dict[str, float], results: dict[str, float]) -> None:  # noqa: B027
-        """After each evaluation during training (e.g. warn when the score collapses)."""
-
     def after_restart(self) -> None:  # noqa: B027 - optional hook
         """After a restart loaded its checkpoint."""
 
@@ -116,7 +119,10 @@ class RunLoop(abc.ABC):
 
     def _train(self) -> Any:
         cfg, total = self.config, self.total_steps
-        with open_tracker(cfg, total) as tracker:
+        with open_tracker(cfg, total, self.run_dir.resume_from) as tracker:
+            # SFT has no ``health`` section: its monitors watch RL runs.
+            health = getattr(cfg, "health", None)
+            self.health = HealthMonitors(health, cfg.output_dir) if health is not None else None
             self.on_start(tracker)
             evaluate_before = self._evaluate_before if self.evaluates else None
             last, results = begin_run(tracker, self.run_dir.resume_from, self._restore, evaluate_before)
@@ -127,11 +133,18 @@ class RunLoop(abc.ABC):
                 try:
                     # A stop signal lets the step finish when a checkpoint can then save it.
                     with signals.deferred(cfg.checkpoint.every_steps > 0):
-                        metrics = self._step_and_evaluate(step, tracker, results)
+                        metrics = self._step_and_evaluate(step)
                     metrics["recovery/restarts"] = self.budget.restarts
+                    events = self._check_health(step, metrics, tracker)
                     tracker.log(step, metrics)
+                    tracker.log_samples(step, self.recent_samples)
+                    saved = None
                     if checkpoint_due(cfg.checkpoint, step, total):
-                        self.save_checkpoint(step, results, tracker)
+                        saved = self.save_checkpoint(step, results, tracker)
+                    if any(event.action == "stop" for event in events):
+                        # Saved even off the checkpoint cadence: the state that showed the trouble.
+                        saved = saved or self.save_checkpoint(step, results, tracker)
+                        raise HealthStop(stop_message(events, saved, cfg.output_dir))
                 except self.restartable as error:
                     step = self._restart(error, tracker, results) + 1
                     continue
@@ -141,15 +154,28 @@ class RunLoop(abc.ABC):
 
     def _evaluate_before(self) -> dict[str, float]:
         set_activity(f"the evaluation before {self.name}")
-        return self.evaluate_guarded()
+        metrics = self.evaluate_guarded()
+        if self.health is not None:
+            self.health.record(0, metrics)
+        return metrics
 
-    def _step_and_evaluate(self, step: int, tracker: Tracker, results: dict[str, float]) -> dict[str, float]:
+    def _step_and_evaluate(self, step: int) -> dict[str, float]:
         metrics = self.step(step)
         if self.evaluates and is_eval_step(self.config.eval, step, self.total_steps):
             set_activity(f"the evaluation after {self.name} step {step} of {self.total_steps}")
             metrics.update(self.evaluate_guarded())
-            self.after_evaluate(tracker, metrics, results)
         return metrics
+
+    def _check_health(self, step: int, metrics: dict[str, float], tracker: Tracker) -> list[HealthEvent]:
+        """Run the health monitors on the step's metrics; each that fires is printed and logged as
+        ``health/<monitor>`` = 1 on this step."""
+        if self.health is None:
+            return []
+        events = self.health.observe(step, metrics, self.recent_samples)
+        for event in events:
+            metrics[f"{HEALTH_PREFIX}{event.monitor}"] = 1
+            tracker.print(f"WARNING: {event.message()}")
+        return events
 
     # ----- checkpoints and restarts --------------------------------------------------------------------
 
@@ -160,7 +186,7 @@ class RunLoop(abc.ABC):
             self.config,
             step,
             self.trainers(),
-            lambda: {"results": dict(results), **self.driver_state()},
+            lambda: {"results": dict(results), "health": self._health_state(), **self.driver_state()},
             tracker,
         )
 
@@ -170,7 +196,12 @@ class RunLoop(abc.ABC):
         self.load_driver_state(state)
         results.clear()
         results.update(state["results"])
+        if self.health is not None:
+            self.health.load_state_dict(state.get("health"))
         return state["step"]
+
+    def _health_state(self) -> dict[str, Any] | None:
+        return self.health.state_dict() if self.health is not None else None
 
     def _restart(self, error: BaseException, tracker: Tracker, results: dict[str, float]) -> int:
         """The workers started again from the last valid checkpoint; returns the step the run goes on
@@ -188,6 +219,8 @@ class RunLoop(abc.ABC):
             step = 0
             for key in [k for k in results if k != "eval/score_before"]:
                 del results[key]
+            if self.health is not None:
+                self.health.rewind(0)
         tracker.rewind(step)
         self.after_restart()
         tracker.print(

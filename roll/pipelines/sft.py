@@ -9,6 +9,7 @@ import torch
 
 from roll.config.sft import SFTConfig
 from roll.data.batch import Batch
+from roll.data.columns import ANSWER
 from roll.data.dataset import PromptIterator
 from roll.data.padding import right_pad
 from roll.distributed.cluster import Cluster
@@ -99,9 +100,9 @@ class SFTPipeline(RunLoop):
 
     def step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
-        metrics = {
-            f"sft/{k}": v for k, v in self.actor.sft_step(self.batch(self.order.next_indices())).items()
-        }
+        batch = self.batch(self.order.next_indices())
+        metrics = {f"sft/{k}": v for k, v in self.actor.sft_step(batch).items()}
+        metrics["sft/samples"] = len(batch)  # `roll plot --x samples` sums them
         metrics["time/step_s"] = time.perf_counter() - start
         return metrics
 
@@ -144,8 +145,8 @@ class SFTPipeline(RunLoop):
             batch["response_ids"], batch["response_mask"] = right_pad([r["response_ids"] for r in rows], pad)
             batch["loss_mask"], _ = right_pad([r["loss_mask"] for r in rows], 0)
             return batch
-        key = self.config.data.response_key
-        for name, tensor in response_tensors(self.tokenizer, [str(s[key]) for s in batch["sample"]]).items():
+        answers = [str(sample[ANSWER]) for sample in batch["sample"]]
+        for name, tensor in response_tensors(self.tokenizer, answers).items():
             batch[name] = tensor
         return batch
 

@@ -17,9 +17,10 @@ from typing import Any, TypeVar
 from roll.config.devices import role_plan
 from roll.config.rlvr import RLVRConfig, tis_cap
 from roll.distributed.device_mapping import RoleDevices
+from roll.distributed.sync_probe import ProbeSpec, default_tolerance
 from roll.rollout.scheduler import SchedulerSpec
 from roll.strategies.sampling import SamplingParams
-from roll.workers.actor import ActorSpec, OptimizerSpec, PolicyLossSpec
+from roll.workers.actor import ActorSpec, LoraSpec, OptimizerSpec, PolicyLossSpec
 from roll.workers.base import ModelSpec
 from roll.workers.critic import CriticSpec
 from roll.workers.rollout import RolloutSpec
@@ -28,6 +29,7 @@ __all__ = [
     "RLVRWorkerPlan",
     "device_roles",
     "from_section",
+    "lora_spec",
     "mini_batches_per_epoch",
     "plan_workers",
     "updates_per_step",
@@ -44,6 +46,20 @@ def from_section(spec_cls: type[SpecT], section: Any, **computed: Any) -> SpecT:
         name: getattr(section, name) for name in names if name not in computed and hasattr(section, name)
     }
     return spec_cls(**copied, **computed)
+
+
+def lora_spec(section: Any) -> LoraSpec | None:
+    """The trainer's LoRA spec from an ``actor.lora`` section (None: full fine-tuning)."""
+    if section is None:
+        return None
+    return from_section(LoraSpec, section, target_modules=tuple(section.target_modules))
+
+
+def probe_spec(rollout: Any, dtype: str) -> ProbeSpec | None:
+    """The weight-sync probe of a ``rollout`` section, its tolerance defaulting by the model's dtype."""
+    if rollout.sync_probe_sequences == 0:
+        return None
+    return ProbeSpec(rollout.sync_probe_sequences, rollout.sync_probe_tolerance or default_tolerance(dtype))
 
 
 def device_roles(cfg: RLVRConfig) -> list[RoleDevices]:
@@ -74,6 +90,7 @@ class RLVRWorkerPlan:
     prompts_per_step: int
     samples_per_prompt: int
     weight_bucket_bytes: int
+    sync_probe: ProbeSpec | None  # the check after every weight sync; None: off
     hybrid_engine: bool  # the actor generates (no rollout workers, no weight sync)
     roles: tuple[RoleDevices, ...]  # devices and world size of each device-holding role
 
@@ -107,6 +124,7 @@ def plan_workers(cfg: RLVRConfig, model_path: str, rows_vary: bool = False) -> R
         model=model,
         policy=from_section(PolicyLossSpec, cfg.algorithm, tis_cap=tis_cap(cfg)),
         temperature=rollout.temperature,
+        lora=lora_spec(cfg.actor.lora),
         **trainer_fields(cfg.actor),
     )
     critic = None
@@ -126,6 +144,7 @@ def plan_workers(cfg: RLVRConfig, model_path: str, rows_vary: bool = False) -> R
         prompts_per_step=rollout.rollout_batch_size,
         samples_per_prompt=rollout.num_return_sequences,
         weight_bucket_bytes=rollout.weight_bucket_mb << 20,
+        sync_probe=probe_spec(rollout, cfg.model.dtype),
         hybrid_engine=rollout.hybrid_engine,
         roles=tuple(device_roles(cfg)),
     )

@@ -10,6 +10,7 @@ import re
 import string
 from functools import lru_cache
 
+from roll.data.messages import prompt_text
 from roll.rewards.base import REWARD_FUNCTIONS, RewardOutput, needs_fields
 
 JUDGE_PLACEHOLDERS = ("question", "reference", "response")
@@ -206,7 +207,9 @@ def llm_judge(
     """
     _check_judge_options(model_path, template, max_new_tokens, scale)
     asks = [
-        render_judge_prompt(template, str(sample.get("prompt", prompt)), str(sample["answer"]), response)
+        render_judge_prompt(
+            template, prompt_text(sample.get("prompt", prompt)), str(sample["answer"]), response
+        )
         for prompt, response, sample in zip(prompts, responses, samples)
     ]
     outputs = []

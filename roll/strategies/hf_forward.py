@@ -68,3 +68,19 @@ def response_values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     outputs, _, response_mask = _response_outputs(model, batch)
     values = outputs[..., 0].float() * response_mask
     return _pad_to(values, batch["response_ids"].shape[1])
+
+
+def sequence_logprobs(
+    model: torch.nn.Module, token_ids: list[list[int]], pad_id: int = 0
+) -> list[list[float]]:
+    """Each token's log-probability given the tokens before it (temperature 1), for every token but
+    the first of each sequence: what an engine calls prompt logprobs. Sequences are right-padded into one
+    batch; the padding is masked and never scored."""
+    from roll.data.padding import right_pad
+
+    device = next(model.parameters()).device
+    ids, mask = right_pad(token_ids, pad_id)
+    ids, mask = ids.to(device), mask.to(device)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
+    logprobs = logprobs_from_logits(logits[:, :-1].float(), ids[:, 1:]).cpu()
+    return [logprobs[row, : len(seq) - 1].tolist() for row, seq in enumerate(token_ids)]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -12,12 +14,15 @@ from roll.data.masks import loss_mask
 from roll.distributed.collective import CollectiveGroup
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.shm_transfer import Endpoint, SegmentInfo, SharedWeights
-from roll.distributed.weight_buckets import Bucket, metas_of
+from roll.distributed.sync_probe import score_after_transfer
+from roll.distributed.weight_buckets import Bucket
 from roll.distributed.worker import register
 from roll.strategies.hf_forward import response_logprobs
+from roll.strategies.lora import ADAPTER, FULL, MERGED, LoraSpec, is_lora, outgoing_weights
+from roll.workers.base import ModelSpec
 from roll.workers.trainer import OptimizerSpec, TrainerSpec, TrainerWorker
 
-__all__ = ["ActorSpec", "ActorWorker", "OptimizerSpec", "PolicyLossSpec"]
+__all__ = ["ActorSpec", "ActorWorker", "LoraSpec", "OptimizerSpec", "PolicyLossSpec"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,8 @@ class PolicyLossSpec:
 class ActorSpec(TrainerSpec):
     policy: PolicyLossSpec = field(default_factory=PolicyLossSpec)
     temperature: float = 1.0
+    # Train a LoRA adapter on the frozen base instead of every weight (``actor.lora``); None: full.
+    lora: LoraSpec | None = None
 
 
 class ActorWorker(TrainerWorker):
@@ -49,6 +56,46 @@ class ActorWorker(TrainerWorker):
     weight_group: CollectiveGroup | None = None  # rank 0's end of the weight transfer, once joined
     shared_weights: SharedWeights | None = None  # rank 0's shared segment (one-node transfer), once made
     shared_plan: list[Bucket] | None = None  # the plan every rank gathers by when writing to it
+    weight_payload: str = FULL  # what a sync sends (roll.strategies.lora.PAYLOADS), set by weight_plan
+    probe_sequences: list[list[int]] | None = None  # scored after every sync (set_sync_probe)
+
+    def load_model(self, spec: ModelSpec) -> torch.nn.Module:
+        """The policy; with ``lora`` wrapped by peft, only the adapter trainable."""
+        model = super().load_model(spec)
+        lora: LoraSpec | None = self.config.lora
+        if lora is None:
+            return model
+        from roll.strategies.lora import apply_lora
+
+        return apply_lora(model, lora, spec.path)
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
+        """The reference (initial) policy's ``logprobs`` with LoRA: the frozen base weights are that policy,
+        so this is the actor's own model with its adapter switched off, and no second copy is loaded."""
+        if not is_lora(self.model):
+            raise RuntimeError("reference logprobs from the actor need actor.lora; use a reference worker")
+        with self.model.disable_adapter():
+            return self.compute_logprobs(batch, temperature)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def set_sync_probe(self, sequences: list[list[int]] | None) -> None:
+        """Score ``sequences`` after every transfer of the weights (``roll.distributed.sync_probe``)."""
+        self.probe_sequences = sequences
+
+    @register(Dispatch.RANK_ZERO)
+    def prompt_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
+        """Logprobs of each token after the first of each sequence under the trained weights, without
+        dropout: the trainer's side of the weight-sync probe. Every rank runs the forward (FSDP)."""
+        from roll.strategies.hf_forward import sequence_logprobs
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                return sequence_logprobs(self.model, token_ids, self.tokenizer.pad_token_id)
+        finally:
+            self.model.train(was_training)
 
     # ---------------------------------------------------------------- RL
     @register(Dispatch.DP_COMPUTE)
@@ -117,12 +164,31 @@ class ActorWorker(TrainerWorker):
         return loss, {"loss": loss.item()}
 
     # ---------------------------------------------------------------- weights
-    @register(Dispatch.RANK_ZERO)
-    def weight_plan(self, bucket_bytes: int) -> list[Bucket]:
-        """How the full weights split into transfer buckets (names, full shapes, dtypes)."""
-        from roll.distributed.weight_buckets import plan_buckets
+    @register(Dispatch.ONE_TO_ALL)
+    def weight_payloads(self) -> list[str]:
+        """What this actor can send (``roll.strategies.lora.PAYLOADS``): its adapter, or the merged weights,
+        with LoRA; every weight otherwise."""
+        return [ADAPTER, MERGED] if is_lora(self.model) else [FULL]
 
-        return plan_buckets(metas_of(self._named_weights()), bucket_bytes)
+    @register(Dispatch.RANK_ZERO)
+    def weight_plan(self, bucket_bytes: int, payload: str = FULL) -> list[Bucket]:
+        """How ``payload``'s tensors split into transfer buckets (names, full shapes, dtypes); every rank
+        keeps ``payload`` for the transfers to come."""
+        from roll.distributed.weight_buckets import TensorMeta, plan_buckets
+
+        weights = outgoing_weights(self.model, payload)
+        self.weight_payload = payload
+        return plan_buckets([TensorMeta(w.name, w.shape, w.dtype) for w in weights], bucket_bytes)
+
+    def _tensors_for(self) -> Callable[[Bucket], dict[str, torch.Tensor]]:
+        """Per bucket, its tensors made whole (gathered, and merged for the ``merged`` payload); every
+        rank calls it for every bucket in plan order (each gather is a collective under FSDP)."""
+        weights = {w.name: w for w in outgoing_weights(self.model, self.weight_payload)}
+
+        def tensors_for(bucket: Bucket) -> dict[str, torch.Tensor]:
+            return {meta.name: weights[meta.name].gather() for meta in bucket.tensors}
+
+        return tensors_for
 
     @register(Dispatch.ONE_TO_ALL)
     def join_weight_group(
@@ -138,31 +204,22 @@ class ActorWorker(TrainerWorker):
             )
 
     @register(Dispatch.ONE_TO_ALL)
-    def send_weights(self, plan: list[Bucket], version: int, timeout_s: float) -> dict[str, float]:
+    def send_weights(self, plan: list[Bucket], version: int, timeout_s: float) -> dict[str, Any]:
         """Broadcast the current weights to the rollout workers, one bucket at a time. Every rank takes
         part: sharded weights are gathered bucket by bucket, so no rank ever holds the whole model twice."""
         from roll.distributed.weight_transfer import send_weights
-        from roll.strategies.fsdp import full_tensor
 
-        weights = dict(self._named_weights())
         group = self.weight_group if self.rank == 0 else None
         on_gpu = group is not None and group.backend == "nccl"
         device = self.device if on_gpu else torch.device("cpu")
-
-        def tensors_for(bucket: Bucket) -> dict[str, torch.Tensor]:
-            return {meta.name: full_tensor(weights[meta.name]).detach() for meta in bucket.tensors}
-
-        return send_weights(group, plan, tensors_for, version, timeout_s, device)
+        stats = send_weights(group, plan, self._tensors_for(), version, timeout_s, device)
+        return score_after_transfer(stats, self.prompt_logprobs, self.probe_sequences)
 
     def _named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """Every weight once: a tied head is the embedding under a second name, and the receiver ties it."""
-        seen: set[int] = set()
-        named = []
-        for name, tensor in self.model.state_dict(keep_vars=True).items():
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                named.append((name, tensor))
-        return named
+        """Every weight once, as the model holds them (a tied head is left to the receiver to tie)."""
+        from roll.strategies.lora import unique_state
+
+        return unique_state(self.model)
 
     # ---------------------------------------------------------------- weights through shared memory
     @register(Dispatch.ONE_TO_ALL)
@@ -196,20 +253,15 @@ class ActorWorker(TrainerWorker):
             self.shared_weights.unlink()
 
     @register(Dispatch.ONE_TO_ALL)
-    def write_shared_weights(self, version: int) -> dict[str, float]:
+    def write_shared_weights(self, version: int) -> dict[str, Any]:
         """Write the current weights into the shared segment as ``version`` (rank 0; the other ranks only
         help gather sharded weights, bucket by bucket)."""
         from roll.distributed.shm_transfer import write_weights
-        from roll.strategies.fsdp import full_tensor
 
         if self.shared_plan is None:
             raise RuntimeError("no shared weight segment: call create_shared_weights first")
-        weights = dict(self._named_weights())
-
-        def tensors_for(bucket: Bucket) -> dict[str, torch.Tensor]:
-            return {meta.name: full_tensor(weights[meta.name]).detach() for meta in bucket.tensors}
-
-        return write_weights(self.shared_weights, self.shared_plan, tensors_for, version)
+        stats = write_weights(self.shared_weights, self.shared_plan, self._tensors_for(), version)
+        return score_after_transfer(stats, self.prompt_logprobs, self.probe_sequences)
 
     @register(Dispatch.ONE_TO_ALL)
     def close_shared_weights(self) -> None:

@@ -98,8 +98,13 @@ class ModelWorker(Worker):
         """``logprobs`` [B, R] of the response tokens under this worker's current weights."""
         from roll.strategies.hf_forward import response_logprobs
 
-        with torch.no_grad():  # not inference_mode: FSDP writes gathered weights in place
-            logprobs, _ = response_logprobs(self.model, batch.to(self.device), temperature)
+        was_training = self.model.training
+        self.model.eval()  # no dropout (a LoRA adapter's): the old and reference policies are deterministic
+        try:
+            with torch.no_grad():  # not inference_mode: FSDP writes gathered weights in place
+                logprobs, _ = response_logprobs(self.model, batch.to(self.device), temperature)
+        finally:
+            self.model.train(was_training)
         return Batch(tensors={"logprobs": logprobs.cpu()})
 
     @register(Dispatch.DP_COMPUTE)

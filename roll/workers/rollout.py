@@ -12,9 +12,11 @@ import torch
 
 from roll.data.batch import Batch
 from roll.distributed.dispatch import Dispatch
+from roll.distributed.sync_probe import score_after_transfer
 from roll.distributed.worker import register
 from roll.strategies.infer import INFERENCE_ENGINES, GenerateRequest, GenerateResult, InferenceEngine
 from roll.strategies.infer.prefix_store import DEFAULT_PREFIX_CACHE_TOKENS
+from roll.strategies.lora import ADAPTER, FULL, PAYLOADS
 from roll.strategies.sampling import SamplingParams
 from roll.workers.base import ModelSpec, ModelWorker
 
@@ -69,6 +71,8 @@ class RolloutWorker(ModelWorker):
             pass
         self.weights_version = INITIAL_WEIGHTS_VERSION
         self.weight_group = None
+        self.weight_payload = FULL  # what the trainer sends (set_weight_payload): full, merged or adapter
+        self.probe_sequences: list[list[int]] | None = None  # scored after every sync (set_sync_probe)
 
     @register(Dispatch.ONE_TO_ALL)
     @ray.method(concurrency_group="control")
@@ -140,6 +144,35 @@ class RolloutWorker(ModelWorker):
 
     # ------------------------------------------------------------ weights
     @register(Dispatch.ONE_TO_ALL)
+    def loads_adapters(self) -> bool:
+        """Whether the engine merges a LoRA adapter itself (then only the adapter is sent to it)."""
+        return self.engine.loads_adapters
+
+    @register(Dispatch.ONE_TO_ALL)
+    def set_weight_payload(self, payload: str) -> None:
+        """What later transfers carry (``roll.strategies.lora.PAYLOADS``): whole weights (``full``,
+        ``merged``) are copied in by name, an ``adapter`` is merged by the engine."""
+        if payload not in PAYLOADS:
+            raise ValueError(f"unknown weight payload {payload!r}; expected one of {', '.join(PAYLOADS)}")
+        self.weight_payload = payload
+
+    def _load_bucket(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        if self.weight_payload == ADAPTER:
+            self.engine.load_adapter(named_tensors)
+        else:
+            self.engine.load_weights(named_tensors)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def set_sync_probe(self, sequences: list[list[int]] | None) -> None:
+        """Score ``sequences`` after every sync, before answering it (``roll.distributed.sync_probe``)."""
+        self.probe_sequences = sequences
+
+    @register(Dispatch.ONE_TO_ALL)
+    def prompt_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
+        """The engine's logprobs of each token after the first of each sequence (the sync probe)."""
+        return self.engine.prompt_logprobs(token_ids)
+
+    @register(Dispatch.ONE_TO_ALL)
     def join_weight_group(
         self, name: str, backend: str, master_addr: str, master_port: int, group_size: int, timeout_s: float
     ) -> None:
@@ -151,7 +184,7 @@ class RolloutWorker(ModelWorker):
         )
 
     @register(Dispatch.ONE_TO_ALL)
-    def receive_weights(self, plan: list[Any], version: int, timeout_s: float) -> dict[str, float]:
+    def receive_weights(self, plan: list[Any], version: int, timeout_s: float) -> dict[str, Any]:
         """Take ``version`` of the weights from the trainer, bucket by bucket, into the engine's model."""
         from roll.distributed.weight_transfer import receive_weights
 
@@ -160,11 +193,9 @@ class RolloutWorker(ModelWorker):
             raise RuntimeError("no weight-transfer group: call join_weight_group first")
         device = self.device if self.weight_group.backend == "nccl" else torch.device("cpu")
         with self.engine.weight_update(version):  # no decode step sees half the buckets
-            stats = receive_weights(
-                self.weight_group, plan, version, timeout_s, device, self.engine.load_weights
-            )
+            stats = receive_weights(self.weight_group, plan, version, timeout_s, device, self._load_bucket)
         self.weights_version = version
-        return stats
+        return score_after_transfer(stats, self.engine.prompt_logprobs, self.probe_sequences)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_weights(self, state_dict: dict[str, Any], version: int) -> int:
@@ -197,7 +228,7 @@ class RolloutWorker(ModelWorker):
         self._shared_weights = SharedWeights.open(info, plan)
 
     @register(Dispatch.ONE_TO_ALL)
-    def load_shared_weights(self, version: int) -> dict[str, float]:
+    def load_shared_weights(self, version: int) -> dict[str, Any]:
         """Copy ``version`` of the weights, which the trainer has just written to the shared segment,
         into the engine's model."""
         from roll.distributed.shm_transfer import read_weights
@@ -207,9 +238,9 @@ class RolloutWorker(ModelWorker):
         if segment is None:
             raise RuntimeError("no shared weight segment: call open_shared_weights first")
         with self.engine.weight_update(version):  # no decode step sees half the buckets
-            stats = read_weights(segment, version, self.engine.load_weights)
+            stats = read_weights(segment, version, self._load_bucket)
         self.weights_version = version
-        return stats
+        return score_after_transfer(stats, self.engine.prompt_logprobs, self.probe_sequences)
 
     @register(Dispatch.ONE_TO_ALL)
     def close_shared_weights(self) -> None:

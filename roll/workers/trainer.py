@@ -119,8 +119,10 @@ class TrainerWorker(ModelWorker):
         opt = spec.optimizer
         # The fused kernel updates every tensor in one pass (quickstart model on CPU: 0.5 ms against 2.4 ms
         # per step); sharded (DTensor) parameters keep the default implementation.
+        # Frozen weights (a LoRA base) get no optimizer state: Adam's two moments cost 8 bytes a weight.
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay, fused=self.world_size == 1
+            trainable, lr=opt.lr, weight_decay=opt.weight_decay, fused=self.world_size == 1
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(opt))
 
@@ -239,12 +241,11 @@ class TrainerWorker(ModelWorker):
             NonFiniteWeightsError: some weight is NaN or infinite (nothing is written).
         """
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         from roll.utils import rng
 
         self._check_finite_weights()
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = self._model_and_optimizer_state()
         with _one_process_is_fine():
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=Path(path) / "dcp")
         extra = {"lr_scheduler": self.scheduler.state_dict(), "rng": rng.capture()}
@@ -254,7 +255,7 @@ class TrainerWorker(ModelWorker):
     def load_state(self, path: str) -> None:
         """Restore what ``save_state`` wrote under ``path`` (same world size: RNG states are per rank)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         from roll.utils import rng
 
@@ -264,16 +265,43 @@ class TrainerWorker(ModelWorker):
                 f"{rank_file} is missing: the checkpoint was written by fewer {self.role} ranks than the "
                 f"{self.world_size} configured; resume with the world size it was written with"
             )
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = self._model_and_optimizer_state()
         state = {"model": model_state, "optim": optim_state}
         with _one_process_is_fine():
             dcp.load(state, checkpoint_id=Path(path) / "dcp")
         set_state_dict(
-            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=self._state_options(),
         )
         extra = torch.load(rank_file, weights_only=False)
         self.scheduler.load_state_dict(extra["lr_scheduler"])
         rng.restore(extra["rng"])
+
+    def _model_and_optimizer_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The (sharded) state a checkpoint holds: every weight and the optimizer, or with LoRA the adapter
+        alone (a tied head would otherwise come along as a frozen weight under a second name)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
+        if self._state_options().ignore_frozen_params:
+            trained = {name for name, p in self.model.named_parameters() if p.requires_grad}
+            model_state = {name: value for name, value in model_state.items() if name in trained}
+        return model_state, optim_state
+
+    def _state_options(self) -> Any:
+        """With LoRA a checkpoint holds the adapter and its optimizer state only: the frozen base is the
+        model the run started from, loaded again from its directory (Qwen2.5-7B at rank 8: 0.24 GB a save,
+        not 46 GB). Loading then sets the adapter alone (not strict); ``dcp.load`` has already checked that
+        all of it is there."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        from roll.strategies.lora import is_lora
+
+        lora = is_lora(self.model)
+        return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
     def _check_finite_weights(self) -> None:
         from roll.strategies.fsdp import local_tensor
@@ -308,18 +336,25 @@ class TrainerWorker(ModelWorker):
     @register(Dispatch.RANK_ZERO)
     def save_pretrained(self, path: str) -> str | None:
         """Save the whole model and tokenizer in Hugging Face format, atomically: a crash leaves no
-        half-written dir. Sharded weights are gathered to rank 0 first (every rank takes part)."""
+        half-written dir. Sharded weights are gathered to rank 0 first (every rank takes part). With LoRA
+        the adapter is saved instead, in peft's format, naming its base model (``roll export --merge``
+        writes the merged model)."""
         from roll.strategies.fsdp import full_state_dict, unwrapped_class_name
+        from roll.strategies.lora import adapter_state, is_lora, save_adapter
 
-        state = full_state_dict(self.model)
+        lora = is_lora(self.model)
+        state = adapter_state(self.model) if lora else full_state_dict(self.model)
         if self.rank != 0:
             return None
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        self.model.save_pretrained(staging, state_dict=state)
+        if lora:
+            save_adapter(self.model, state, staging)
+        else:
+            self.model.save_pretrained(staging, state_dict=state)
+            _fix_architecture_name(staging, unwrapped_class_name(self.model))
         self.tokenizer.save_pretrained(staging)
-        _fix_architecture_name(staging, unwrapped_class_name(self.model))
         if target.exists():
             old = target.with_name(f".{target.name}.old.{os.getpid()}")
             target.rename(old)

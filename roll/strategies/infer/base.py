@@ -185,6 +185,33 @@ class InferenceEngine(abc.ABC):
             ValueError: names the model does not have (all of them listed) or shapes that differ.
         """
 
+    # Whether ``load_adapter`` works: a LoRA trainer then sends only the adapter (``roll.strategies.lora``),
+    # and merged whole weights to an engine without it.
+    loads_adapters: bool = False
+
+    def load_adapter(self, named_tensors: NamedTensors, version: int | None = None) -> None:
+        """Take a LoRA adapter (``<layer>.lora_A`` [r, in], ``<layer>.lora_B`` [out, r] with alpha / r
+        folded into B) and serve ``W_base + B A`` on each of those layers from then on; inside
+        ``weight_update`` the halves may arrive over several calls and take effect when it ends.
+
+        Raises:
+            NotImplementedError: this engine takes whole weights only (``loads_adapters`` is False).
+            ValueError: layers the model lacks, halves missing, shapes that do not fit.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot load a LoRA adapter; send merged weights")
+
+    def prompt_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Each token's log-probability (temperature 1) given the tokens before it, for every token of
+        each sequence but its first, under the weights served now: the weight-sync probe compares them
+        with the trainer's.
+
+        Raises:
+            NotImplementedError: this engine cannot score tokens (set rollout.sync_probe_sequences=0).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot score prompt tokens; set rollout.sync_probe_sequences=0"
+        )
+
     @abc.abstractmethod
     def weight_update(self, version: int) -> contextlib.AbstractContextManager[None]:
         """A context in which no decode step runs, for weights that arrive in several

@@ -35,6 +35,7 @@ from roll.data.batch import Batch
 from roll.data.padding import left_pad, position_ids_from_mask
 from roll.models.loading import end_of_sequence_ids
 from roll.strategies.cpu_threads import decode_threads
+from roll.strategies.infer.adapter_merge import AdapterMerger
 from roll.strategies.infer.base import GenerateRequest, GenerateResult, InferenceEngine, NamedTensors
 from roll.strategies.infer.kv_cache import SlotCache
 from roll.strategies.infer.prefix_store import DEFAULT_PREFIX_CACHE_TOKENS, PrefixStore, StoredPrefix
@@ -106,6 +107,8 @@ class HFEngine(InferenceEngine):
         if max_running_requests is not None and max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1 or None, got {max_running_requests}")
         self._prefixes = PrefixStore(prefix_cache_tokens)
+        self._adapter = AdapterMerger()
+        self._updating = False  # inside weight_update: adapter halves wait for its end to be merged
         self._device = torch.device(device) if device is not None else next(model.parameters()).device
         if self._device.type == "cuda":
             # cuDNN's attention (SDPA picks it for bf16/fp16) builds an execution plan for every new shape,
@@ -258,13 +261,47 @@ class HFEngine(InferenceEngine):
             if version is not None:
                 self._weights_version = version
 
+    loads_adapters = True
+
+    def load_adapter(self, named_tensors: NamedTensors, version: int | None = None) -> None:
+        """Merge a LoRA adapter into the weights (``AdapterMerger``: base copies of the adapted layers in
+        host memory, ``W_base + B A`` written into the live layers); see the base class."""
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        with self._between_steps():
+            self._adapter.receive(items)
+            if self._updating:
+                return  # merged when the weight update ends: a layer's halves may be in two buckets
+            try:
+                self._adapter.apply(self._model)
+            finally:
+                self._new_weights()
+            if version is not None:
+                self._weights_version = version
+
+    @torch.no_grad()
+    def prompt_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Score whole sequences in one forward pass between two decode steps; see the base class."""
+        from roll.strategies.cpu_threads import threads_for_decoding
+        from roll.strategies.hf_forward import sequence_logprobs
+
+        # As few tokens as a decode step: the decode loop's thread count, so a narrow model's forward does
+        # not wake a second OpenMP thread in this process while the trainer computes.
+        with self._between_steps(), threads_for_decoding(self._model, self._device):
+            return sequence_logprobs(self._model, [list(ids) for ids in token_ids], self._pad_id)
+
     @contextlib.contextmanager
     def weight_update(self, version: int) -> Iterator[None]:
-        """Hold the model between two decode steps while buckets are loaded; see the base class."""
+        """Hold the model between two decode steps while buckets are loaded; see the base class. An
+        adapter that arrived in the buckets is merged at the end, once all of it is in."""
         with self._between_steps():
+            self._updating = True
             try:
                 yield
+                if self._adapter.pending:
+                    self._adapter.apply(self._model)
             finally:
+                self._updating = False
+                self._adapter.discard()
                 self._new_weights()
             self._weights_version = version
 
