@@ -1,7 +1,8 @@
 """The ``roll`` command: ``roll train CONFIG [key=value ...] [--resume [CHECKPOINT]] [--overwrite]``,
 ``roll resume RUN_DIR [key=value ...]``, ``roll config CONFIG [key=value ...]``, and ``roll plot RUN ...`` and
-``roll compare RUN ...`` over finished or running runs' metrics, and ``roll export RUN [--merge]``
-(a run's LoRA adapter, or the merged model).
+``roll compare RUN ...`` over finished or running runs' metrics, ``roll export RUN [--merge]``
+(a run's LoRA adapter, or the merged model), and ``roll pairs MODEL PROMPTS OUT`` (preference pairs from a
+model's own samples).
 
 Config loading and validation come first and import neither torch nor Ray, so a typo is rejected at once.
 """
@@ -273,6 +274,41 @@ def export_model(
         typer.echo(export(run, out or default_destination(run, merge), merge, base))
     except ExportError as e:
         _fail(e, 2)
+
+
+@app.command("pairs")
+def make_pairs(
+    model: str = typer.Argument(..., help="The model to sample from: a Hugging Face model directory."),
+    prompts: str = typer.Argument(..., help="Prompt rows (any dataset format roll train reads)."),
+    out: Path = typer.Argument(..., help="The JSONL file of pairs to write."),
+    reward: str = typer.Option("exact_match", "--reward", help="Reward function that scores each sample."),
+    samples: int = typer.Option(8, "--samples", min=2, help="Samples per prompt."),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1, help="Longest sample in tokens."),
+    temperature: float = typer.Option(1.0, "--temperature", min=0.01, help="Sampling temperature."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+) -> None:
+    """Preference pairs from a model's own samples: per prompt, its best-scored sample as chosen and its
+    worst as rejected, where they differ (the data for pipeline: dpo)."""
+    from roll.data.dataset import DatasetError
+    from roll.models.loading import ModelPathError
+    from roll.preference_pairs import sample_preference_pairs, write_jsonl
+    from roll.rewards import REWARD_FUNCTIONS
+
+    if reward not in REWARD_FUNCTIONS:
+        _fail(
+            KeyError(
+                f"--reward: unknown reward '{reward}'; available: {', '.join(REWARD_FUNCTIONS.names())}"
+            ),
+            2,
+        )
+    try:
+        pairs, stats = sample_preference_pairs(
+            model, prompts, reward, samples, max_new_tokens, temperature, seed
+        )
+    except (DatasetError, ModelPathError) as e:
+        _fail(e, 2)
+    write_jsonl(pairs, out)
+    typer.echo(f"{stats.summary()}; written to {out}")
 
 
 if __name__ == "__main__":

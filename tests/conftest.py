@@ -88,6 +88,27 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(save_tiny_model(cfg, tmp_path_factory.mktemp("models") / "tiny"))
 
 
+@pytest.fixture(scope="session")
+def quickstart_run(repo_root: Path, tmp_path_factory: pytest.TempPathFactory, ray_address: str):
+    """`roll train examples/quickstart.yaml` shortened to 60 RL steps (SFT warm start, then GRPO) on the
+    session's Ray, run once per session: test_quickstart_e2e checks its stages and artifacts, and its SFT
+    warm start (``<output_dir>/sft/model``, held-out score 0.14) starts the PPO and LoRA learning tests,
+    which each made the same warm start before. Returns the output directory and the finished process."""
+    from test_pipelines_cli import roll_train
+
+    output_dir = tmp_path_factory.mktemp("quickstart") / "run"
+    overrides = [f"output_dir={output_dir}", "steps=60", "eval.every_steps=30", "tracking.backends=[jsonl]"]
+    env = {"RAY_ADDRESS": ray_address}
+    return output_dir, roll_train(repo_root, "examples/quickstart.yaml", *overrides, env=env)
+
+
+@pytest.fixture(scope="session")
+def quickstart_warm_start(quickstart_run) -> Path:
+    """The quickstart's SFT warm start (the model its RL starts from), made once per session."""
+    output_dir, _ = quickstart_run
+    return output_dir / "sft" / "model"
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_path: str):
     """The tiny model's tokenizer, loaded through the real loading code."""

@@ -116,6 +116,15 @@ def make_cluster() -> Iterator[Callable[..., Cluster]]:
         cluster.kill()
 
 
+@pytest.fixture(scope="module")
+def echo_pair(ray_session: None) -> Iterator[Cluster]:
+    """One two-rank EchoWorker cluster shared by the tests that only call it (routing and futures; its
+    workers keep no state between calls): starting one per test cost about 2 s each."""
+    cluster = Cluster("echo", EchoWorker, 2, config=None)
+    yield cluster
+    cluster.kill()
+
+
 def make_batch(n: int) -> Batch:
     return Batch(tensors={"ids": torch.arange(n)}, non_tensors={"text": [f"t{i}" for i in range(n)]})
 
@@ -133,15 +142,15 @@ def test_one_to_all_returns_one_result_per_rank_in_rank_order(make_cluster):
     assert len({p["pid"] for p in pings}) == 3  # one process per rank
 
 
-def test_all_to_all_sends_item_i_to_rank_i(make_cluster):
-    cluster = make_cluster("echo", EchoWorker)
+def test_all_to_all_sends_item_i_to_rank_i(echo_pair):
+    cluster = echo_pair
     assert cluster.scale([1, 2], factor=[10, 100]) == [(0, 10), (1, 200)]
     with pytest.raises(ValueError, match="one list of 2 items"):
         cluster.scale([1, 2, 3], factor=[1, 1, 1])
 
 
-def test_dp_compute_splits_the_batch_and_concatenates_results_in_order(make_cluster):
-    cluster = make_cluster("echo", EchoWorker)
+def test_dp_compute_splits_the_batch_and_concatenates_results_in_order(echo_pair):
+    cluster = echo_pair
     result = cluster.add_rank(make_batch(6), offset=100)
     assert isinstance(result, Batch)
     assert result["ids"].tolist() == [0, 1, 2, 3, 4, 5]
@@ -153,16 +162,16 @@ def test_dp_compute_splits_the_batch_and_concatenates_results_in_order(make_clus
         cluster.add_rank(make_batch(5))
 
 
-def test_rank_zero_returns_only_rank_zeros_result(make_cluster):
-    cluster = make_cluster("echo", EchoWorker)
+def test_rank_zero_returns_only_rank_zeros_result(echo_pair):
+    cluster = echo_pair
     assert cluster.export() == "weights from rank 0"
 
 
 # ------------------------------------------------------------------ futures
 
 
-def test_non_blocking_call_returns_a_future_with_the_same_result(make_cluster):
-    cluster = make_cluster("echo", EchoWorker)
+def test_non_blocking_call_returns_a_future_with_the_same_result(echo_pair):
+    cluster = echo_pair
     future = cluster.whoami("x", blocking=False)
     assert isinstance(future, ClusterFuture)
     assert future.get() == cluster.whoami("x")

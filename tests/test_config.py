@@ -21,6 +21,9 @@ from roll.config import (
     load_config,
     to_yaml,
 )
+from roll.config.agentic import AgenticConfig
+from roll.config.distill import DistillConfig
+from roll.config.dpo import DPOConfig
 from roll.config.fields import field_docs, nested_dataclass, out_of_bounds
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -419,7 +422,7 @@ def test_unknown_pipeline_lists_pipelines(tmp_path: Path) -> None:
     assert "foo" in message
     for name in PIPELINE_CONFIGS.names():
         assert name in message
-    assert {"rlvr", "sft"} <= set(PIPELINE_CONFIGS.names())
+    assert {"rlvr", "sft", "agentic", "dpo", "distill"} <= set(PIPELINE_CONFIGS.names())
 
 
 def test_pipeline_override_switches_schema() -> None:
@@ -431,7 +434,7 @@ def test_pipeline_override_switches_schema() -> None:
 # --------------------------------------------------------------------------- docs and YAML round trip
 
 
-@pytest.mark.parametrize("schema", [RLVRConfig, SFTConfig])
+@pytest.mark.parametrize("schema", [RLVRConfig, SFTConfig, AgenticConfig, DPOConfig, DistillConfig])
 def test_every_field_has_help_text(schema: type) -> None:
     docs = field_docs(schema)
     assert len(docs) > 20
@@ -458,7 +461,7 @@ def all_field_names(cls: type, prefix: str = "") -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("schema", [RLVRConfig, SFTConfig])
+@pytest.mark.parametrize("schema", [RLVRConfig, SFTConfig, AgenticConfig, DPOConfig, DistillConfig])
 def test_field_docs_covers_every_field_recursively(schema: type) -> None:
     docs = field_docs(schema)
     assert set(docs) == all_field_names(schema)
@@ -466,6 +469,7 @@ def test_field_docs_covers_every_field_recursively(schema: type) -> None:
     assert "model.tiny.alphabet" in docs
     if schema is RLVRConfig:
         assert "domains.<name>.reward_world_size" in docs
+        assert "distill.teachers.<name>.device_mapping" in docs
     if schema is RLVRConfig:
         assert "sft_warm_start.lr" in docs
 

@@ -10,13 +10,17 @@ DOMAINS = ("math", "countdown", "code")
 
 
 @pytest.mark.slow
-def test_the_multi_domain_example_raises_two_domains(repo_root, tmp_path):
+def test_the_multi_domain_example_raises_two_domains(repo_root, tmp_path, ray_address):
+    """60 RL steps measured held-out gains of +0.14 (math) and +0.15 (countdown), code flat: as much as
+    the 80-step run this replaced (+0.12, +0.14) and about three times the 0.05 asked of two domains.
+    (40 steps gave only +0.08 and +0.09.)"""
     output_dir = tmp_path / "run"
-    overrides = [f"output_dir={output_dir}", "steps=80", "eval.every_steps=40", "tracking.backends=[jsonl]"]
-    roll_train(repo_root, "examples/rlvr_multi_domain.yaml", *overrides)
+    overrides = [f"output_dir={output_dir}", "steps=60", "eval.every_steps=30", "tracking.backends=[jsonl]"]
+    # On the session's Ray (RAY_ADDRESS), as the other `roll train` tests: no local Ray to start and stop.
+    roll_train(repo_root, "examples/rlvr_multi_domain.yaml", *overrides, env={"RAY_ADDRESS": ray_address})
     rows = metrics(output_dir)
     evals = [row for row in rows if "eval/math/score" in row]
-    assert [row["step"] for row in evals] == [0, 40, 80]
+    assert [row["step"] for row in evals] == [0, 30, 60]
     gains = {d: evals[-1][f"eval/{d}/score"] - evals[0][f"eval/{d}/score"] for d in DOMAINS}
     assert sum(gain >= 0.05 for gain in gains.values()) >= 2, f"held-out gains by domain: {gains}"
     last = [row for row in rows if "reward/mean" in row][-1]

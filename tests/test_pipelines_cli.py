@@ -39,7 +39,7 @@ def metrics(output_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_sft_pipeline_learns_and_saves_a_loadable_model(repo_root, tmp_path):
+def test_sft_pipeline_learns_and_saves_a_loadable_model(repo_root, tmp_path, ray_address):
     out = tmp_path / "sft"
     roll_train(
         repo_root,
@@ -49,6 +49,7 @@ def test_sft_pipeline_learns_and_saves_a_loadable_model(repo_root, tmp_path):
         "eval.every_steps=100",
         "eval.max_prompts=100",
         "tracking.backends=[jsonl]",
+        env={"RAY_ADDRESS": ray_address},
     )
     rows = metrics(out)
     losses = [row["sft/loss"] for row in rows if "sft/loss" in row]

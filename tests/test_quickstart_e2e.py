@@ -4,24 +4,20 @@ metric and saves its artifacts.
 That the quickstart learns is checked on the full run: `.ci/run` runs `roll train
 examples/quickstart.yaml` as the README says and requires +0.3 held-out. GRPO raising held-out scores
 through `roll train` inside the suite is test_multi_domain_e2e's job (two domains must rise); a
-1000-step quickstart here repeated it at 115 s of the suite's 15 minutes."""
+1000-step quickstart here repeated it at 115 s of the suite's 15 minutes.
+
+The run is conftest's session fixture ``quickstart_run``: its SFT warm start also starts the PPO
+(test_recipes_cli) and LoRA (test_lora) learning tests, so the suite makes that warm start once."""
 
 from __future__ import annotations
 
 import pytest
-from test_pipelines_cli import metrics, roll_train
+from test_pipelines_cli import metrics
 
 
 @pytest.mark.slow
-def test_shortened_quickstart_runs_every_stage(repo_root, tmp_path):
-    output_dir = tmp_path / "run"
-    overrides = [
-        f"output_dir={output_dir}",
-        "steps=60",
-        "eval.every_steps=30",
-        "tracking.backends=[jsonl]",
-    ]
-    result = roll_train(repo_root, "examples/quickstart.yaml", *overrides)
+def test_shortened_quickstart_runs_every_stage(quickstart_run):
+    output_dir, result = quickstart_run  # roll train examples/quickstart.yaml steps=60 eval.every_steps=30
 
     rows = metrics(output_dir)
     evals = [(row["step"], row["eval/score"]) for row in rows if "eval/score" in row]

@@ -142,36 +142,24 @@ def test_docs_example_estimator_and_loss_train_through_the_cli(repo_root, tmp_pa
     assert all(row["advantages/mean"] <= 0 for row in rows)
 
 
-@pytest.fixture(scope="module")
-def warm_start_model(repo_root, tmp_path_factory, ray_address) -> Path:
-    """The quickstart's SFT warm start (held-out score about 0.2), made once for the learning tests."""
-    out = tmp_path_factory.mktemp("warm_start")
-    roll_train(
-        repo_root,
-        "examples/quickstart.yaml",
-        f"output_dir={out}",
-        "steps=1",
-        "eval.every_steps=0",
-        "eval.max_prompts=8",
-        "tracking.backends=[jsonl]",
-        env={"RAY_ADDRESS": ray_address},
-    )
-    return out / "sft" / "model"
-
-
 @pytest.mark.slow
 # One learning run per family beyond GRPO's, which test_multi_domain_e2e (and the full quickstart in
 # .ci/run) cover; an RLOO run here repeated it at 90 s of the suite's 15 minutes.
-@pytest.mark.parametrize(("recipe", "steps"), [("ppo", 500)])
-def test_recipe_raises_the_held_out_score(recipe, steps, warm_start_model, repo_root, tmp_path, ray_address):
+@pytest.mark.parametrize(("recipe", "steps", "min_gain"), [("ppo", 250, 0.07)])
+def test_recipe_raises_the_held_out_score(
+    recipe, steps, min_gain, quickstart_warm_start, repo_root, tmp_path, ray_address
+):
     """PPO (critic + GAE) learns from the quickstart's warm start (docs/algorithms.md: +0.13 by step
-    1000 of 3000; this 500-step run measured 0.14 -> 0.30 at step 250 and 0.34 at 500)."""
+    1000 of 3000). This 250-step run measured 0.14 -> 0.20 at step 125 and 0.275 at 250 (+0.135; the
+    500-step run it replaced, 0.34 at 500 against a +0.1 bar): the bar is half the measured gain, as it
+    was. The warm start is the session's (conftest's ``quickstart_warm_start``), shared with the
+    quickstart and LoRA tests."""
     out = tmp_path / recipe
     roll_train(
         repo_root,
         f"examples/recipes/{recipe}.yaml",
         f"output_dir={out}",
-        f"model.path={warm_start_model}",
+        f"model.path={quickstart_warm_start}",
         "model.tiny=null",
         "sft_warm_start=null",
         f"steps={steps}",
@@ -182,7 +170,7 @@ def test_recipe_raises_the_held_out_score(recipe, steps, warm_start_model, repo_
     evals = [(row["step"], row["eval/score"]) for row in metrics(out) if "eval/score" in row]
     assert [step for step, _ in evals] == [0, steps // 2, steps]
     before, after = evals[0][1], evals[-1][1]
-    assert after >= before + 0.1, f"{recipe}: eval/score did not rise enough: {evals}"
+    assert after >= before + min_gain, f"{recipe}: eval/score did not rise enough: {evals}"
 
 
 @pytest.mark.slow

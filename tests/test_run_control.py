@@ -132,6 +132,7 @@ def assert_nothing_left(ray_processes: dict[int, str]) -> None:
 def test_a_stop_signal_ends_the_run_cleanly(
     repo_root: Path,
     tmp_path: Path,
+    request: pytest.FixtureRequest,
     stop: signal.Signals,
     exit_code: int,
     overrides: tuple[str, ...],
@@ -156,8 +157,9 @@ def test_a_stop_signal_ends_the_run_cleanly(
         last = checkpoint.latest_valid(checkpoint.checkpoints_root(out))
         assert last is not None and checkpoint.checkpoint_step(last) == rows[-1]["step"], stderr
         assert f"The last checkpoint is {last}; continue with: roll resume {out}" in line
-        # ... and the command it names continues the run: two more steps, each step logged once.
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        # ... and the command it names continues the run: two more steps, each step logged once. It joins
+        # the session's Ray: starting a local one again would only cost seconds.
+        env = {**os.environ, "RAY_ADDRESS": request.getfixturevalue("ray_address")}
         command = [sys.executable, "-m", "roll.cli", "resume", str(out), f"steps={rows[-1]['step'] + 2}"]
         resumed = subprocess.run(command, cwd=repo_root, env=env, capture_output=True, text=True, timeout=300)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -200,12 +202,14 @@ def test_killed_workers_of_every_role_are_recovered_without_losing_a_step(
     first three are replaced without a rollback, the actor restarts from the last checkpoint (beside
     the others, which outlive it); the run finishes its steps and metrics.jsonl holds each step exactly
     once."""
-    out, steps = tmp_path / "run", 120
-    overrides = (*QUICK_RUN[:1], f"steps={steps}", *QUICK_RUN[2:], "checkpoint.every_steps=20")
+    out, steps = tmp_path / "run", 70
+    overrides = (*QUICK_RUN[:1], f"steps={steps}", *QUICK_RUN[2:], "checkpoint.every_steps=10")
     overrides += ("algorithm.kl_coef=0.001", "checkpoint.max_restarts=4")  # a reference model to kill
     overrides += ("reward=math_verify",)  # scored on reward workers (exact_match is scored in the controller)
     run = start_run(repo_root, out, *overrides)
-    kills = (("RolloutWorker", 30), ("RewardWorker", 45), ("ReferenceWorker", 60), ("ActorWorker", 85))
+    # Kills 10 or 15 steps apart; the actor's lands 5 steps past a checkpoint (it rolls back to it) and
+    # 25 steps before the run's end.
+    kills = (("RolloutWorker", 10), ("RewardWorker", 20), ("ReferenceWorker", 30), ("ActorWorker", 45))
     for role, rows in kills:
         wait_for_rows(out / "metrics.jsonl", rows, run)
         (pid,) = [p for p, cmd in run_processes(run.pid).items() if cmd.startswith(f"ray::{role}")]

@@ -15,23 +15,41 @@ from roll.distributed.device_mapping import RoleDevices, parse_device_mapping, r
 MAPPED_SECTIONS = ("actor", "critic", "rollout")
 
 
+TEACHER_PREFIX = "teacher_"  # role name of on-policy distillation's teacher <name>: teacher_<name>
+
+
+def _raw_sections(raw: Any) -> list[tuple[str, Any]]:
+    get = lambda node, key: node.get(key) if hasattr(node, "get") else None  # noqa: E731
+    sections = [(name, get(raw, name)) for name in MAPPED_SECTIONS]
+    teachers = get(get(raw, "distill"), "teachers")
+    if hasattr(teachers, "items"):
+        sections += [(f"distill.teachers.{name}", node) for name, node in teachers.items()]
+    return sections
+
+
 def parse_mapping_strings(raw: Any) -> None:
     """Turn ``device_mapping: 'range(0,4)'`` strings of a raw (OmegaConf) config into lists, in place, so
     the typed schema (a list of ints) accepts them."""
-    for section in MAPPED_SECTIONS:
-        node = raw.get(section) if hasattr(raw, "get") else None
+    for key, node in _raw_sections(raw):
         value = node.get("device_mapping") if hasattr(node, "get") else None
         if isinstance(value, str):
-            node["device_mapping"] = parse_device_mapping(value, f"{section}.device_mapping")
+            node["device_mapping"] = parse_device_mapping(value, f"{key}.device_mapping")
+
+
+def mapped_sections(config: Any) -> list[tuple[str, Any]]:
+    """(role, config section) of every role that may hold devices: actor, critic, rollout, and on-policy
+    distillation's teachers (``teacher_<name>``)."""
+    sections = [(name, getattr(config, name, None)) for name in MAPPED_SECTIONS]
+    teachers = getattr(getattr(config, "distill", None), "teachers", None) or {}
+    sections += [(f"{TEACHER_PREFIX}{name}", teacher) for name, teacher in teachers.items()]
+    # A DPO actor or an offline-distillation teacher places no devices.
+    return [(name, s) for name, s in sections if s is not None and hasattr(s, "device_mapping")]
 
 
 def role_plan(config: Any) -> list[RoleDevices]:
-    """The device-holding roles of an RLVR config (raises ValueError naming the key when inconsistent)."""
+    """The device-holding roles of a config (raises ValueError naming the key when inconsistent)."""
     roles = []
-    for name in MAPPED_SECTIONS:
-        section = getattr(config, name, None)
-        if section is None:
-            continue
+    for name, section in mapped_sections(config):
         ndpw = getattr(section, "num_devices_per_worker", 1)
         roles.append(role_devices(name, section.device_mapping, section.world_size, ndpw))
     return roles
@@ -43,8 +61,9 @@ def resolve_world_sizes(config: Any) -> list[str]:
         roles = role_plan(config)
     except ValueError as e:
         return [str(e)]
+    sections = dict(mapped_sections(config))
     for role in roles:
-        getattr(config, role.role).world_size = role.world_size
+        sections[role.role].world_size = role.world_size
     return []
 
 

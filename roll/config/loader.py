@@ -18,18 +18,22 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from roll.config.agentic import AgenticConfig
 from roll.config.devices import parse_mapping_strings
+from roll.config.distill import DistillConfig
+from roll.config.dpo import DPOConfig
 from roll.config.fields import field_docs
 from roll.config.rlvr import RLVRConfig
 from roll.config.sft import SFTConfig
 from roll.utils.plugins import import_plugins
 from roll.utils.registry import Registry, did_you_mean
 
-PipelineConfig = RLVRConfig | SFTConfig | AgenticConfig
+PipelineConfig = RLVRConfig | SFTConfig | AgenticConfig | DPOConfig | DistillConfig
 
 PIPELINE_CONFIGS: Registry[type] = Registry("pipeline")
 PIPELINE_CONFIGS.register("rlvr")(RLVRConfig)
 PIPELINE_CONFIGS.register("sft")(SFTConfig)
 PIPELINE_CONFIGS.register("agentic")(AgenticConfig)
+PIPELINE_CONFIGS.register("dpo")(DPOConfig)
+PIPELINE_CONFIGS.register("distill")(DistillConfig)
 
 # Cross-field checks per config class; each returns a list of problems (empty when fine).
 VALIDATORS: dict[type, Callable[[Any], list[str]]] = {}
@@ -175,11 +179,15 @@ def _lookup(docs: dict[str, str], key: str, default: str) -> str:
 
 
 def _register_validators() -> None:
+    from roll.config.distill_checks import validate_distill
+    from roll.config.dpo_checks import validate_dpo
     from roll.config.validation import validate_agentic, validate_rlvr, validate_sft
 
     VALIDATORS[RLVRConfig] = validate_rlvr
     VALIDATORS[SFTConfig] = validate_sft
     VALIDATORS[AgenticConfig] = validate_agentic
+    VALIDATORS[DPOConfig] = validate_dpo
+    VALIDATORS[DistillConfig] = validate_distill
 
 
 _register_validators()

@@ -354,6 +354,50 @@ class DomainConfig:
 
 
 @dataclass
+class TeacherRoleConfig:
+    """One teacher of on-policy distillation: a model sharing the policy's tokenizer, on its own workers."""
+
+    model_path: str = option(help="Local directory of the teacher, a Hugging Face causal LM.")
+    world_size: int | None = option(
+        None, gt=0, help="Teacher workers; samples are split across them. Unset: from device_mapping, or 1."
+    )
+    device_mapping: list[int] | None = option(
+        None,
+        help="Global device indices of the teacher's workers, a list or 'range(0,4)'; shared with another "
+        "role they are colocated. Unset: CPU workers.",
+    )
+
+
+@dataclass
+class OnPolicyDistillConfig:
+    """On-policy distillation: teachers score the policy's own samples token by token, and the negated
+    per-token reverse KL, -coef * (log pi - log pi_teacher), is the advantage (docs/distill.md)."""
+
+    teachers: dict[str, TeacherRoleConfig] = option(
+        help="Teachers by name, e.g. {math: {model_path: /models/math-7b}}; with several, route_by picks one "
+        "per sample."
+    )
+    route_by: str | None = option(
+        None,
+        help="The row field whose value names the teacher that scores a sample (domain: the row's domain). "
+        "Unset: the one teacher scores every sample.",
+    )
+    mode: Literal["pure", "mixed"] = option(
+        "pure",
+        help="pure: the distillation advantage alone (the task reward is still logged); mixed: added to the "
+        "task advantage of algorithm.advantage_estimator.",
+    )
+    coef: float = option(1.0, gt=0, help="Weight of the distillation advantage.")
+    gamma: float = option(
+        0.0,
+        ge=0,
+        le=1,
+        help="Discount over future tokens: a token's advantage adds gamma^k of the k-th next token's (0: "
+        "each token its own reverse-KL term; 1: the sum over the rest of the response).",
+    )
+
+
+@dataclass
 class RLVRConfig:
     """`pipeline: rlvr` - sample, score with a verifiable reward, update the policy."""
 
@@ -392,6 +436,12 @@ class RLVRConfig:
         gt=0,
         help="Reward workers; responses are split across them (none for rewards the controller scores: "
         "docs/rewards.md).",
+    )
+    distill: OnPolicyDistillConfig | None = field(
+        default=None,
+        metadata={
+            "help": "On-policy distillation: teachers whose per-token log-probabilities give advantages."
+        },
     )
     eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "Held-out evaluation."})
     checkpoint: CheckpointConfig = field(

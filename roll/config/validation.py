@@ -552,6 +552,29 @@ def validate_rlvr(cfg: RLVRConfig) -> list[str]:
     )
     if cfg.sft_warm_start is not None:
         problems += check_sft_train(cfg.sft_warm_start, "sft_warm_start")
+    return problems + check_onpolicy_distill(cfg)
+
+
+def check_onpolicy_distill(cfg: RLVRConfig) -> list[str]:
+    """``distill``: its teachers, how a sample finds its teacher, and what it cannot be combined with."""
+    distill = cfg.distill
+    if distill is None:
+        return []
+    if not distill.teachers:
+        return ["distill.teachers is empty; name at least one teacher, e.g. {main: {model_path: DIR}}"]
+    problems = []
+    for name, teacher in distill.teachers.items():
+        problems += check_model_dir(f"distill.teachers.{name}.model_path", teacher.model_path)
+    if distill.route_by is None and len(distill.teachers) > 1:
+        problems.append(
+            f"distill.teachers has {len(distill.teachers)} teachers but no distill.route_by to pick one per "
+            "sample; set it to a row field (or domain) whose values name the teachers"
+        )
+    if cfg.critic is not None:
+        problems.append(
+            "distill with a critic: the distillation advantage is per token and replaces (or adds to) the "
+            "estimator's, so no value model is trained on it; remove critic"
+        )
     return problems
 
 

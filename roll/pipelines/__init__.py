@@ -31,6 +31,20 @@ def run_agentic(config: Any, inputs: Any = None, **run_dir: Any) -> Any:
     return AgenticPipeline(config, inputs, **run_dir).run()
 
 
+@PIPELINES.register("dpo")
+def run_dpo(config: Any, inputs: Any = None, **run_dir: Any) -> Any:
+    from roll.pipelines.dpo import DPOPipeline
+
+    return DPOPipeline(config, inputs, **run_dir).run()
+
+
+@PIPELINES.register("distill")
+def run_distill(config: Any, inputs: Any = None, **run_dir: Any) -> Any:
+    from roll.pipelines.distill import DistillPipeline
+
+    return DistillPipeline(config, inputs, **run_dir).run()
+
+
 def run_pipeline(config: Any, inputs: Any = None, resume: str | None = None, overwrite: bool = False) -> Any:
     """Run the pipeline that ``config.pipeline`` names; ``inputs`` is ``preflight(config)``'s result
     when the caller ran it already (it runs in the pipeline otherwise). ``resume`` (``"latest"`` or a

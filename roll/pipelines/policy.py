@@ -25,7 +25,7 @@ import torch
 
 from roll.algorithms.functional import masked_mean
 from roll.algorithms.kl import adaptive_kl_coef
-from roll.config.devices import resolve_world_sizes
+from roll.config.devices import TEACHER_PREFIX, resolve_world_sizes
 from roll.config.loader import ConfigError
 from roll.config.rlvr import off_policy_note
 from roll.data.batch import Batch
@@ -54,6 +54,7 @@ from roll.pipelines.credit import (
     shaping_enabled,
     token_level_rewards,
 )
+from roll.pipelines.onpolicy_distill import distill_advantages, onpolicy_teachers, row_teachers, teacher_role
 from roll.pipelines.preflight import RunInputs, preflight
 from roll.pipelines.recovery import RestartBudget, lost_workers
 from roll.pipelines.roles import Role, RoleSet
@@ -238,6 +239,10 @@ class PolicyPipeline(RunLoop):
                 "rollout", RolloutWorker, cfg.rollout.world_size, plan.rollout, replaceable=True
             )
         roles.update(self.extra_roles())
+        for name, teacher in onpolicy_teachers(cfg).items():
+            role = teacher_role(name)
+            spec = ModelHolder(dataclasses.replace(plan.actor.model, path=teacher.model_path))
+            roles[role] = Role(role, ReferenceWorker, teacher.world_size, spec, replaceable=True)
         if reference_workers(cfg):
             holder = ModelHolder(plan.actor.model)
             roles["reference"] = Role(
@@ -441,10 +446,11 @@ class PolicyPipeline(RunLoop):
         again by the new workers; the reference model is the initial policy, loaded again."""
         set_activity(f"replacing lost {' and '.join(sorted(roles))} workers")
         start = time.perf_counter()
-        if "reference" in roles:
-            reference = self.role_set.replace("reference")
-            reference.setup()
-            self.colocation.clusters["reference"] = reference
+        # Model holders with no state but the model they loaded: the reference and distillation's teachers.
+        for name in sorted(r for r in roles if r == "reference" or r.startswith(TEACHER_PREFIX)):
+            cluster = self.role_set.replace(name)
+            cluster.setup()
+            self.colocation.clusters[name] = cluster
         standby = self.config.checkpoint.standby_workers
         if roles & self.scheduler_roles:
             self._replace_rollout_side(roles)
@@ -525,6 +531,12 @@ class PolicyPipeline(RunLoop):
             batch["values"] if self.critic else None,
             per_turn={key: batch[key] for key in PER_TURN_FIELDS if key in batch},
         )
+        distill = getattr(cfg, "distill", None)
+        if distill is not None:
+            with timer("teacher"):
+                taught = self._distillation_advantages(batch, mask, real, metrics)
+            advantages = taught if distill.mode == "pure" else advantages + taught
+            returns = advantages  # no critic reads them (refused at load)
         batch["advantages"], batch["returns"] = advantages, returns
 
         if self.critic is not None:
@@ -572,6 +584,31 @@ class PolicyPipeline(RunLoop):
             "time/step_s": step_time,
             "throughput/tokens_per_s": tokens / step_time,
         }
+
+    def _distillation_advantages(
+        self, batch: Batch, mask: torch.Tensor, real: torch.Tensor, metrics: dict[str, float]
+    ) -> torch.Tensor:
+        """On-policy distillation: each row's teacher scores the sampled tokens; the advantage is the
+        negated per-token reverse KL against the policy's own logprobs of them (``onpolicy_distill``)."""
+        distill, temperature = self.config.distill, self.config.rollout.temperature
+        tags = row_teachers(batch, distill)
+        teacher_logprobs = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
+        tensors = _tensors(batch)
+        for name in dict.fromkeys(tags):
+            role, rows = teacher_role(name), [i for i, tag in enumerate(tags) if tag == name]
+            part, _ = tensors.select(rows).pad_to_divisor(self.role_set.live[role].world_size)
+            _add(metrics, self.colocation.use(role))
+            scored = self._replacing(
+                lambda role=role, part=part: self._live(role).compute_logprobs(part, temperature)
+            )
+            teacher_logprobs[rows] = scored["logprobs"][: len(rows)].to(torch.float32)
+        # The policy's logprobs of its own samples: the old policy's when computed, else the engine's.
+        student = batch["old_logprobs"] if "old_logprobs" in batch else batch["rollout_logprobs"]
+        advantages, distill_metrics = distill_advantages(
+            distill, student.to(torch.float32), teacher_logprobs, mask, tags, real
+        )
+        metrics.update(distill_metrics)
+        return advantages
 
     def _forward_passes(self, batch: Batch, metrics: dict[str, float]) -> Batch:
         """Reference logprobs, old-policy logprobs and critic values, as needed.

@@ -33,8 +33,9 @@ class RunInputs:
     """What preflight loaded and checked: the policy's tokenizer and the tokenised datasets."""
 
     tokenizer: Any
-    train: PromptSet | None  # None: the run reads no dataset (agentic)
-    eval: PromptSet | None
+    train: Any  # a PromptSet (a PreferenceSet in DPO); None: the run reads no dataset (agentic)
+    eval: Any
+    task_eval: PromptSet | None = None  # DPO: held-out task prompts beside the held-out pairs
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,67 @@ def sft_data_needs(cfg: Any) -> DataNeeds:
     )
 
 
+@DATA_NEEDS.register("distill")
+def distill_data_needs(cfg: Any) -> DataNeeds:
+    from roll.rewards import required_fields
+
+    return DataNeeds(
+        train_fields=(ANSWER,),
+        # The held-out answers are scored by the reward and also distilled on (eval/teacher_kl).
+        eval_fields=tuple(dict.fromkeys((*required_fields(cfg.reward), ANSWER))),
+        sft_targets=True,
+        batches={"train.batch_size": cfg.train.batch_size},
+    )
+
+
+def teacher_paths(cfg: Any) -> dict[str, str]:
+    """Every teacher's model directory by config key: offline distillation's ``teacher``, on-policy
+    distillation's ``distill.teachers``."""
+    if getattr(cfg, "teacher", None) is not None:
+        return {"teacher.model_path": cfg.teacher.model_path}
+    teachers = getattr(getattr(cfg, "distill", None), "teachers", None) or {}
+    return {f"distill.teachers.{name}.model_path": t.model_path for name, t in teachers.items()}
+
+
+def check_teacher_tokenizer(cfg: Any, tokenizer: Any) -> list[str]:
+    """A teacher's distributions are over its own token ids: distilling needs the student's ids to mean
+    the same tokens."""
+    from roll.models.loading import load_tokenizer
+
+    problems = []
+    top_k = getattr(getattr(cfg, "distill", None), "top_k", 0)
+    if top_k > len(tokenizer):
+        problems.append(
+            f"distill.top_k ({top_k}) is more than the {len(tokenizer)} tokens of the "
+            f"vocabulary; lower it to at most {len(tokenizer)}"
+        )
+    for key, path in teacher_paths(cfg).items():
+        theirs = load_tokenizer(path)
+        if theirs.get_vocab() != tokenizer.get_vocab():
+            problems.append(
+                f"{key}: the teacher's tokenizer ({len(theirs)} tokens) differs from the student's "
+                f"({len(tokenizer)} tokens); distillation compares distributions token id by token id, so "
+                "both must share one tokenizer"
+            )
+    return problems
+
+
+def check_distill_routes(cfg: Any, train: PromptSet) -> None:
+    """On-policy distillation with ``route_by``: every training row names one of the teachers."""
+    distill = getattr(cfg, "distill", None)
+    if distill is None or not hasattr(distill, "route_by"):
+        return
+    from roll.pipelines.onpolicy_distill import unrouted
+
+    found = unrouted(train.rows, [train.domain_of(i) for i in range(len(train))], distill)
+    if found is not None:
+        index, tag = found
+        raise DatasetError(
+            f"training row {index + 1} has {distill.route_by} '{tag}', which names no teacher of "
+            f"distill.teachers ({', '.join(distill.teachers)}); add a teacher of that name or fix the row"
+        )
+
+
 def preflight(cfg: Any) -> RunInputs:
     """Check ``cfg`` against this machine and its data; raise ConfigError or DatasetError naming the key,
     file or line to fix. Writes nothing: a run that fails here leaves no trace."""
@@ -92,12 +154,20 @@ def preflight(cfg: Any) -> RunInputs:
     problems += check_local_devices(cfg)
     _refuse(problems)
     tokenizer = load_run_tokenizer(cfg.model)
-    _refuse(check_stop_token_ids(cfg, tokenizer) + check_lora_targets(cfg, tokenizer))
+    _refuse(
+        check_stop_token_ids(cfg, tokenizer)
+        + check_lora_targets(cfg, tokenizer)
+        + check_teacher_tokenizer(cfg, tokenizer)
+    )
     if cfg.pipeline == "agentic":  # no dataset: episodes come from the environment
         _refuse(check_chat_template(cfg, tokenizer))
         return RunInputs(tokenizer, None, None)
     if getattr(cfg, "domains", None):
-        return RunInputs(tokenizer, *load_domains(cfg, tokenizer))
+        inputs = RunInputs(tokenizer, *load_domains(cfg, tokenizer))
+        check_distill_routes(cfg, inputs.train)
+        return inputs
+    if cfg.pipeline == "dpo":
+        return load_preference_inputs(cfg, tokenizer)
     needs = DATA_NEEDS.get(cfg.pipeline)(cfg)
     train, held_out = load_datasets(
         cfg.data, tokenizer, needs.train_fields, needs.eval_fields, sft_targets=needs.sft_targets
@@ -108,7 +178,32 @@ def preflight(cfg: Any) -> RunInputs:
                 f"data.train_path '{cfg.data.train_path}' has {len(train)} rows, fewer than one batch of "
                 f"{key}={size}; lower {key} to at most {len(train)} or add rows"
             )
+    check_distill_routes(cfg, train)
     return RunInputs(tokenizer, train, held_out)
+
+
+def load_preference_inputs(cfg: Any, tokenizer: Any) -> RunInputs:
+    """A DPO run's training and held-out pairs, and its held-out task prompts (``eval.prompts_path``)."""
+    from roll.config.common import DataConfig
+    from roll.data.preferences import load_preferences
+    from roll.rewards import required_fields
+
+    data = cfg.data
+    options = (data.columns, data.apply_chat_template, data.max_prompt_length, data.max_completion_length)
+    train = load_preferences(data.train_path, tokenizer, *options)
+    if cfg.actor.batch_size > len(train):
+        raise DatasetError(
+            f"data.train_path '{data.train_path}' has {len(train)} pairs, fewer than one batch of "
+            f"actor.batch_size={cfg.actor.batch_size}; lower it to at most {len(train)} or add pairs"
+        )
+    held_out = load_preferences(data.eval_path, tokenizer, *options) if data.eval_path else None
+    task = None
+    if cfg.eval.prompts_path:
+        prompts = DataConfig(
+            apply_chat_template=data.apply_chat_template, max_prompt_length=data.max_prompt_length
+        )
+        task = load_prompts(cfg.eval.prompts_path, tokenizer, prompts, required_fields(cfg.reward))
+    return RunInputs(tokenizer, train, held_out, task)
 
 
 def _refuse(problems: list[str]) -> None:

@@ -84,3 +84,48 @@ def sequence_logprobs(
     logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
     logprobs = logprobs_from_logits(logits[:, :-1].float(), ids[:, 1:]).cpu()
     return [logprobs[row, : len(seq) - 1].tolist() for row, seq in enumerate(token_ids)]
+
+
+# A preference batch holds one row per pair: the prompt (``prompt_ids``/``prompt_mask``), the chosen
+# completion as the response (``response_ids``/``response_mask``) and the rejected one beside it.
+REJECTED_IDS, REJECTED_MASK = "rejected_ids", "rejected_mask"
+
+
+def pair_logprobs(
+    model: torch.nn.Module, batch: Batch, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sequence log-probabilities [B] of each pair's chosen and rejected completions, and their token
+    counts [B], from one forward pass over the 2B sequences (chosen rows, then rejected rows). The
+    completion's every attended token counts (a preference completion has no environment tokens)."""
+    width = max(batch["response_ids"].shape[1], batch[REJECTED_IDS].shape[1])
+    both = Batch(
+        tensors={
+            "prompt_ids": torch.cat([batch["prompt_ids"]] * 2),
+            "prompt_mask": torch.cat([batch["prompt_mask"]] * 2),
+            "response_ids": torch.cat(
+                [_pad_to(batch["response_ids"], width), _pad_to(batch[REJECTED_IDS], width)]
+            ),
+            "response_mask": torch.cat(
+                [_pad_to(batch["response_mask"], width), _pad_to(batch[REJECTED_MASK], width)]
+            ),
+        }
+    )
+    logprobs, _ = response_logprobs(model, both, temperature)
+    mask = both["response_mask"].to(logprobs.dtype)
+    sums, counts = (logprobs * mask).sum(dim=1), mask.sum(dim=1)
+    size = len(batch)
+    return sums[:size], sums[size:], counts[:size], counts[size:]
+
+
+def response_logits(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits [B, L, V] that predict each response token, with the response ids and mask cut to the
+    same L (the columns up to the last attended one; the caller cuts its own [B, R] tensors to L)."""
+    return _response_outputs(model, batch)
+
+
+def pad_columns(values: torch.Tensor, width: int) -> torch.Tensor:
+    """``values`` [B, L, ...] with zeros appended along dim 1 up to ``width`` columns."""
+    if values.shape[1] >= width:
+        return values
+    shape = (values.shape[0], width - values.shape[1], *values.shape[2:])
+    return torch.cat([values, values.new_zeros(shape)], dim=1)

@@ -22,7 +22,15 @@ from roll.strategies.lora import ADAPTER, FULL, MERGED, LoraSpec, is_lora, outgo
 from roll.workers.base import ModelSpec
 from roll.workers.trainer import OptimizerSpec, TrainerSpec, TrainerWorker
 
-__all__ = ["ActorSpec", "ActorWorker", "LoraSpec", "OptimizerSpec", "PolicyLossSpec"]
+__all__ = [
+    "ActorSpec",
+    "ActorWorker",
+    "DistillLossSpec",
+    "LoraSpec",
+    "OptimizerSpec",
+    "PolicyLossSpec",
+    "PreferenceLossSpec",
+]
 
 
 @dataclass(frozen=True)
@@ -42,9 +50,30 @@ class PolicyLossSpec:
     entropy_coef: float = 0.0
 
 
+@dataclass(frozen=True)
+class PreferenceLossSpec:
+    """The ``dpo`` section as the actor's preference loss reads it (``from_section``)."""
+
+    beta: float = 0.1
+    losses: dict[str, float] = field(default_factory=lambda: {"sigmoid": 1.0})
+    label_smoothing: float = 0.0
+
+
+@dataclass(frozen=True)
+class DistillLossSpec:
+    """The ``distill`` section as the student's loss reads it (``from_section``)."""
+
+    objective: str = "forward_kl"
+    beta: float = 0.5
+    tail: str = "extra_class"
+    ce_weight: float = 0.0
+
+
 @dataclass
 class ActorSpec(TrainerSpec):
     policy: PolicyLossSpec = field(default_factory=PolicyLossSpec)
+    preference: PreferenceLossSpec = field(default_factory=PreferenceLossSpec)
+    distill: DistillLossSpec = field(default_factory=DistillLossSpec)
     temperature: float = 1.0
     # Train a LoRA adapter on the frozen base instead of every weight (``actor.lora``); None: full.
     lora: LoraSpec | None = None
@@ -77,6 +106,14 @@ class ActorWorker(TrainerWorker):
             raise RuntimeError("reference logprobs from the actor need actor.lora; use a reference worker")
         with self.model.disable_adapter():
             return self.compute_logprobs(batch, temperature)
+
+    @register(Dispatch.DP_COMPUTE)
+    def reference_pair_logprobs(self, batch: Batch) -> Batch:
+        """``pair_logprobs`` of the reference (initial) policy with LoRA: the adapter switched off."""
+        if not is_lora(self.model):
+            raise RuntimeError("reference logprobs from the actor need actor.lora; use a reference worker")
+        with self.model.disable_adapter():
+            return self.pair_logprobs(batch)
 
     @register(Dispatch.ONE_TO_ALL)
     def set_sync_probe(self, sequences: list[list[int]] | None) -> None:
@@ -162,6 +199,95 @@ class ActorWorker(TrainerWorker):
         logprobs, _ = response_logprobs(self.model, micro)
         loss = -(logprobs * loss_mask(micro)).sum() / denominator
         return loss, {"loss": loss.item()}
+
+    # ---------------------------------------------------------------- preference optimisation
+    @register(Dispatch.DP_COMPUTE)
+    def preference_step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of the preference loss (``preference``) on this rank's shard of a batch of
+        pairs, which carries the reference's ``ref_chosen_logps`` and ``ref_rejected_logps``. The loss is a
+        mean over the pairs of the whole batch (every rank's), so micro-batches and ranks add up to it."""
+        return self.step_on(batch, self._preference_loss, "seq-mean-token-sum")
+
+    def _preference_loss(self, micro: Batch, denominator: float) -> tuple[torch.Tensor, dict[str, float]]:
+        from roll.algorithms.preference import PairLogps, combined_preference_loss, preference_metrics
+        from roll.strategies.hf_forward import pair_logprobs
+
+        spec: PreferenceLossSpec = self.config.preference
+        chosen, rejected, chosen_tokens, rejected_tokens = pair_logprobs(self.model, micro)
+        logps = PairLogps(
+            policy_chosen=chosen,
+            policy_rejected=rejected,
+            reference_chosen=micro["ref_chosen_logps"].to(chosen.dtype),
+            reference_rejected=micro["ref_rejected_logps"].to(chosen.dtype),
+            chosen_tokens=chosen_tokens,
+            rejected_tokens=rejected_tokens,
+        )
+        per_pair, terms = combined_preference_loss(
+            logps, spec.losses, beta=spec.beta, label_smoothing=spec.label_smoothing
+        )
+        loss = per_pair.sum() / denominator
+        return loss, {**terms, **preference_metrics(logps, spec.beta), "loss": loss.item()}
+
+    # ---------------------------------------------------------------- distillation
+    @register(Dispatch.DP_COMPUTE)
+    def distill_step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of the distillation loss (``distill``) on this rank's shard of a batch whose
+        rows carry the teacher's ``teacher_indices`` and ``teacher_logprobs`` at each response position:
+        the divergence per trained token, token-mean, plus ``ce_weight`` x the cross-entropy."""
+        return self.step_on(batch, self._distill_loss, "token-mean")
+
+    def _distill_terms(self, micro: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per trained token [B, L]: the configured divergence, the forward KL to the teacher, the response
+        tokens' logprobs; and the loss mask cut to L."""
+        from roll.algorithms.distillation import DISTILL_OBJECTIVES, forward_kl, student_on_support
+        from roll.algorithms.functional import logprobs_from_logits
+        from roll.strategies.hf_forward import response_logits
+
+        spec: DistillLossSpec = self.config.distill
+        logits, response_ids, _ = response_logits(self.model, micro)
+        length = logits.shape[1]
+        logits = logits.float()
+        teacher = micro["teacher_logprobs"][:, :length].float()
+        student = student_on_support(logits, micro["teacher_indices"][:, :length].long(), spec.tail)
+        divergence = DISTILL_OBJECTIVES.get(spec.objective)(teacher, student, beta=spec.beta)
+        mask = loss_mask(micro)[:, :length].float()
+        # Zero where not trained: padding positions hold zeros, which are no distribution.
+        keep = mask.bool()
+        divergence = torch.where(keep, divergence, torch.zeros_like(divergence))
+        kl = torch.where(keep, forward_kl(teacher, student), torch.zeros_like(divergence))
+        return divergence, kl, logprobs_from_logits(logits, response_ids) * mask, mask
+
+    def _distill_loss(self, micro: Batch, denominator: float) -> tuple[torch.Tensor, dict[str, float]]:
+        spec: DistillLossSpec = self.config.distill
+        divergence, kl, logprobs, _ = self._distill_terms(micro)
+        divergence_term = divergence.sum() / denominator
+        cross_entropy = -logprobs.sum() / denominator
+        loss = divergence_term + spec.ce_weight * cross_entropy if spec.ce_weight else divergence_term
+        return loss, {
+            "divergence": divergence_term.item(),
+            "cross_entropy": cross_entropy.item(),
+            "teacher_kl": (kl.sum() / denominator).item(),
+            "loss": loss.item(),
+        }
+
+    @register(Dispatch.DP_COMPUTE)
+    def teacher_divergence(self, batch: Batch) -> Batch:
+        """Held-out: per row, the summed forward KL from the teacher (``teacher_kl_sum``) and the
+        cross-entropy (``nll_sum``) over the trained tokens, and their count (``tokens``); no gradient."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                _, kl, logprobs, mask = self._distill_terms(batch.to(self.device))
+        finally:
+            self.model.train(was_training)
+        return Batch(
+            tensors={
+                "teacher_kl_sum": kl.sum(dim=1).cpu(),
+                "nll_sum": -logprobs.sum(dim=1).cpu(),
+                "tokens": mask.sum(dim=1).cpu(),
+            }
+        )
 
     # ---------------------------------------------------------------- weights
     @register(Dispatch.ONE_TO_ALL)

@@ -108,6 +108,42 @@ class ModelWorker(Worker):
         return Batch(tensors={"logprobs": logprobs.cpu()})
 
     @register(Dispatch.DP_COMPUTE)
+    def pair_logprobs(self, batch: Batch) -> Batch:
+        """``chosen_logps`` and ``rejected_logps`` [B]: each preference pair's completions' sequence
+        log-probabilities under this worker's current weights (no dropout, no gradient)."""
+        from roll.strategies.hf_forward import pair_logprobs
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                chosen, rejected, _, _ = pair_logprobs(self.model, batch.to(self.device))
+        finally:
+            self.model.train(was_training)
+        return Batch(tensors={"chosen_logps": chosen.cpu(), "rejected_logps": rejected.cpu()})
+
+    @register(Dispatch.DP_COMPUTE)
+    def topk_logprobs(self, batch: Batch, k: int, tail: str) -> Batch:
+        """This model as a distillation teacher: at each response position its ``k`` most likely tokens
+        (``teacher_indices`` [B, R, k]) and their log-probabilities, with the tail as ``tail`` says
+        (``teacher_logprobs`` [B, R, S]; ``roll.algorithms.distillation.teacher_topk``). Zeros past each
+        response."""
+        from roll.algorithms.distillation import teacher_topk
+        from roll.strategies.hf_forward import pad_columns, response_logits
+
+        self.model.eval()
+        with torch.no_grad():
+            logits, _, _ = response_logits(self.model, batch.to(self.device))
+            indices, logprobs = teacher_topk(logits.float(), k, tail)
+        width = batch["response_ids"].shape[1]
+        return Batch(
+            tensors={
+                "teacher_indices": pad_columns(indices.cpu(), width),
+                "teacher_logprobs": pad_columns(logprobs.cpu(), width),
+            }
+        )
+
+    @register(Dispatch.DP_COMPUTE)
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         """Sample (or greedily decode) one response per prompt row with the current weights;
         see ``roll.strategies.hf_generate.generate``."""

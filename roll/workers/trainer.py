@@ -86,7 +86,7 @@ LossFn = Callable[[Batch, float], tuple[torch.Tensor, dict[str, float]]]
 
 # Loss terms divided by the mini-batch's global denominator: their sum over micro-batches and ranks is
 # the step's value. Every other metric is averaged.
-SUMMED_OVER_MICRO_BATCHES = ("loss", "entropy", "kl")
+SUMMED_OVER_MICRO_BATCHES = ("loss", "entropy", "kl", "divergence", "cross_entropy", "teacher_kl")
 
 
 class TrainerWorker(ModelWorker):

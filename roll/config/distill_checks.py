@@ -1,0 +1,35 @@
+"""Cross-field checks of an offline distillation config, run at load before Ray or a model starts."""
+
+from __future__ import annotations
+
+from roll.config.distill import DistillConfig
+from roll.config.fields import out_of_bounds
+from roll.config.validation import (
+    check_common,
+    check_model_dir,
+    check_registry,
+    check_reward,
+    check_sequence_fits,
+    check_sft_train,
+)
+
+
+def validate_distill(cfg: DistillConfig) -> list[str]:
+    from roll.algorithms.distillation import DISTILL_OBJECTIVES
+
+    problems = out_of_bounds(cfg)
+    if problems:  # the checks below divide by these
+        return problems
+    problems = check_common(cfg) + check_sft_train(cfg.train, "train")
+    problems += check_sequence_fits(cfg.model, cfg.data.max_prompt_length, cfg.eval.max_new_tokens)
+    problems += check_reward("reward", cfg.reward)
+    problems += check_model_dir("teacher.model_path", cfg.teacher.model_path)
+    loss = cfg.distill
+    problems += check_registry("distill.objective", loss.objective, DISTILL_OBJECTIVES)
+    if loss.objective != "jsd" and loss.beta != 0.5:
+        problems.append(
+            f"distill.beta is read by objective jsd only (objective is {loss.objective}); unset it"
+        )
+    if cfg.checkpoint.standby_workers:
+        problems.append("checkpoint.standby_workers is not supported by pipeline: distill; remove it")
+    return problems

@@ -1,0 +1,327 @@
+"""DPO: preference optimisation on chosen/rejected pairs (Rafailov et al. 2023) and its relatives.
+
+Each step reads like the paper: a batch of pairs -> the reference policy's log-probabilities of both
+completions -> one optimizer step of the preference loss, whose forward pass scores chosen and rejected
+together. The reference comes from a reference worker, from a cache scored once before training, or with
+LoRA from the actor's own base weights (``reference.source``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from roll.config.dpo import DPOConfig, loss_weights
+from roll.data.batch import Batch
+from roll.data.dataset import PromptIterator
+from roll.data.padding import left_pad, right_pad
+from roll.data.preferences import PreferenceSet
+from roll.distributed.cluster import Cluster
+from roll.distributed.liveness import Liveness
+from roll.distributed.ray_utils import init_ray
+from roll.pipelines.common import evaluate, prepare_model, setup_trainer, write_resolved_config
+from roll.pipelines.preflight import RunInputs, preflight
+from roll.pipelines.recovery import RestartBudget
+from roll.pipelines.reference_cache import cache_file, load_cached, model_fingerprint, save_cached
+from roll.pipelines.run_dir import RunDirectory
+from roll.pipelines.run_loop import RunLoop
+from roll.pipelines.worker_specs import from_section, lora_spec
+from roll.rewards import score_response
+from roll.strategies.hf_forward import REJECTED_IDS, REJECTED_MASK
+from roll.strategies.sampling import SamplingParams
+from roll.tracking import Tracker
+from roll.utils.signals import set_activity
+from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec, PreferenceLossSpec
+from roll.workers.base import ModelSpec
+from roll.workers.reference import ReferenceWorker
+
+# What the workers read of a batch of pairs (the rest stays in the driver).
+PAIR_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", REJECTED_IDS, REJECTED_MASK)
+REFERENCE_FIELDS = ("ref_chosen_logps", "ref_rejected_logps")
+# Trainer metrics logged under TRL's names as they are; the rest go under dpo/.
+TRL_PREFIXES = ("rewards/", "logps/")
+
+
+class DPOPipeline(RunLoop):
+    """Preference optimisation (``DPOConfig``)."""
+
+    name = "DPO"
+
+    def __init__(
+        self,
+        config: DPOConfig,
+        inputs: RunInputs | None = None,
+        resume: str | None = None,
+        overwrite: bool = False,
+    ):
+        """``inputs``: ``preflight(config)``'s result when the caller ran it; ``resume`` and
+        ``overwrite``: see ``RunDirectory``."""
+        self.config = config
+        inputs = inputs or preflight(config)
+        self.tokenizer = inputs.tokenizer
+        self.train_pairs: PreferenceSet = inputs.train
+        self.eval_pairs: PreferenceSet | None = inputs.eval
+        self.eval_prompts = inputs.task_eval
+        self.eval_sampling = SamplingParams(max_new_tokens=config.eval.max_new_tokens, greedy=True)
+        self.budget = RestartBudget(config.checkpoint.max_restarts)
+        self.actor: Cluster | None = None
+        self.reference: Cluster | None = None
+        # precomputed: each split's reference values by row, filled before the first step.
+        self.cached: dict[str, dict[str, torch.Tensor]] = {}
+        self.order = PromptIterator(self.train_pairs.rows, config.actor.batch_size, seed=config.seed)
+        self.run_dir = RunDirectory(config.output_dir, resume, overwrite)
+        try:
+            init_ray(config.ray)
+            write_resolved_config(config, config.output_dir)
+            self.model_path = prepare_model(config.model, config.output_dir)
+            self._start_workers()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ----- roles ---------------------------------------------------------------------------------------
+
+    def _start_workers(self) -> None:
+        cfg, actor = self.config, self.config.actor
+        model = ModelSpec(path=self.model_path, dtype=cfg.model.dtype, seed=cfg.seed)
+        spec = from_section(
+            ActorSpec,
+            actor,
+            model=model,
+            optimizer=from_section(OptimizerSpec, actor, total_steps=cfg.steps),
+            preference=from_section(PreferenceLossSpec, cfg.dpo, losses=loss_weights(cfg.dpo)),
+            lora=lora_spec(actor.lora),
+            collective_timeout_s=cfg.ray.call_timeout_s,
+        )
+        set_activity("starting the DPO workers")
+        self.actor = self._cluster("actor", ActorWorker, actor.world_size, spec)
+        if cfg.reference.source == "worker":
+            from roll.pipelines.policy import ModelHolder
+
+            self.reference = self._cluster("reference", ReferenceWorker, actor.world_size, ModelHolder(model))
+            self.reference.setup(blocking=False)
+        setup_trainer(self.actor)
+        if self.reference is not None:
+            self.reference.setup()
+
+    def _cluster(self, role: str, worker: type, world_size: int, spec: object) -> Cluster:
+        cfg = self.config
+        return Cluster(
+            role,
+            worker,
+            world_size,
+            spec,
+            cfg.ray.call_timeout_s,
+            plugins=cfg.imports,
+            liveness=Liveness.from_config(cfg.ray),
+        )
+
+    @property
+    def total_steps(self) -> int:
+        return self.config.steps
+
+    @property
+    def evaluates(self) -> bool:
+        return self.eval_pairs is not None or self.eval_prompts is not None
+
+    def clusters(self) -> dict[str, Cluster]:
+        return {
+            name: c for name, c in (("actor", self.actor), ("reference", self.reference)) if c is not None
+        }
+
+    def trainers(self) -> dict[str, Cluster]:
+        return {"actor": self.actor}
+
+    def shutdown(self) -> None:
+        for cluster in self.clusters().values():
+            cluster.kill()
+        self.actor = self.reference = None
+        self.run_dir.release()
+
+    def restart_workers(self, lost: dict[str, list[int]]) -> str:
+        start = time.perf_counter()
+        for cluster in self.clusters().values():
+            cluster.kill()
+        self._start_workers()
+        return f"starting the workers {time.perf_counter() - start:.1f} s"
+
+    def driver_state(self) -> dict[str, object]:
+        return {"data_order": self.order.state_dict()}
+
+    def load_driver_state(self, state: dict) -> None:
+        self.order.load_state_dict(state["data_order"])
+
+    # ----- the algorithm -------------------------------------------------------------------------------
+
+    def on_start(self, tracker: Tracker) -> None:
+        """With a precomputed reference, score (or read from the cache) every pair before the first step.
+        This runs before any checkpoint loads, so the actor still holds the initial policy."""
+        if self.config.reference.source != "precomputed":
+            return
+        splits = {"train": self.train_pairs, "eval": self.eval_pairs}
+        fingerprint = model_fingerprint(self.model_path)
+        for split, pairs in splits.items():
+            if pairs is not None:
+                self.cached[split] = self._cached_reference(pairs, fingerprint, split, tracker)
+
+    def _cached_reference(
+        self, pairs: PreferenceSet, model_key: str, split: str, tracker: Tracker
+    ) -> dict[str, torch.Tensor]:
+        cache_dir = self.config.reference.cache_dir or str(Path(self.config.output_dir) / "reference_cache")
+        path = cache_file(cache_dir, "reference", pairs.fingerprint(), model_key)
+        values = load_cached(path, len(pairs))
+        if values is not None:
+            tracker.print(f"reference log-probabilities of the {split} pairs read from {path}")
+            return values
+        set_activity(f"scoring the {split} pairs with the reference policy")
+        start = time.perf_counter()
+        scored = [(self._reference_logps(b), b.meta["real_rows"]) for b in self._chunks(pairs)]
+        values = {key: torch.cat([part[key][:real] for part, real in scored]) for key in REFERENCE_FIELDS}
+        save_cached(path, values)
+        tracker.print(
+            f"reference log-probabilities of {len(pairs)} {split} pairs scored in "
+            f"{time.perf_counter() - start:.1f} s and cached in {path}"
+        )
+        return values
+
+    def step(self, step: int) -> dict[str, float]:
+        start = time.perf_counter()
+        indices = self.order.next_indices()
+        batch = pair_batch(self.train_pairs, indices, self.tokenizer.pad_token_id)
+        batch = batch.union(self.reference_logps(batch, "train", indices))
+        metrics = self.actor.preference_step(batch.select_keys((*PAIR_FIELDS, *REFERENCE_FIELDS)))
+        out = {k if k.startswith(TRL_PREFIXES) else f"dpo/{k}": v for k, v in metrics.items()}
+        out["dpo/samples"] = len(batch)
+        out["time/step_s"] = time.perf_counter() - start
+        return out
+
+    def reference_logps(self, batch: Batch, split: str, indices: list[int]) -> Batch:
+        """``ref_chosen_logps`` and ``ref_rejected_logps`` [B] of the pairs ``indices`` of ``split``."""
+        if self.config.reference.source == "precomputed":
+            cached = self.cached[split]
+            return Batch(tensors={key: cached[key][indices] for key in REFERENCE_FIELDS})
+        return self._reference_logps(batch)
+
+    def _reference_logps(self, batch: Batch) -> Batch:
+        """Scored now: by the reference worker, or by the actor (its base with LoRA, or its current weights
+        before the first update, which are the initial policy)."""
+        fields = batch.select_keys(PAIR_FIELDS)
+        if self.reference is not None:
+            scored = self.reference.pair_logprobs(fields)
+        elif self.config.actor.lora is not None:
+            scored = self.actor.reference_pair_logprobs(fields)
+        else:
+            scored = self.actor.pair_logprobs(fields)
+        return Batch(
+            tensors={
+                "ref_chosen_logps": scored["chosen_logps"],
+                "ref_rejected_logps": scored["rejected_logps"],
+            }
+        )
+
+    def _chunks(self, pairs: PreferenceSet, limit: int | None = None) -> list[Batch]:
+        """The pairs in batches of ``eval.batch_size``, each padded to a multiple of the ranks and carrying
+        its row ``indices`` (the padding rows are copies, cut off by ``unpadded``)."""
+        count = min(len(pairs), limit or len(pairs))
+        size, batches = self.config.eval.batch_size, []
+        for begin in range(0, count, size):
+            indices = list(range(begin, min(begin + size, count)))
+            padded, _ = pair_batch(pairs, indices, self.tokenizer.pad_token_id).pad_to_divisor(
+                self.config.actor.world_size
+            )
+            padded.meta["real_rows"] = len(indices)
+            batches.append(padded)
+        return batches
+
+    # ----- evaluation ----------------------------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out preference accuracy and margins (``eval/rewards/*``), and the greedy task score on
+        ``eval.prompts_path`` as ``eval/score``; without task prompts ``eval/score`` is the accuracy."""
+        metrics: dict[str, float] = {}
+        if self.eval_pairs is not None:
+            metrics.update(self._preference_eval())
+        if self.eval_prompts is not None:
+            metrics.update(
+                evaluate(
+                    self.eval_prompts,
+                    generate=lambda batch, params: self.actor.generate(batch, params),
+                    score=self._score,
+                    params=self.eval_sampling,
+                    batch_size=self.config.eval.batch_size,
+                    pad_id=self.tokenizer.pad_token_id,
+                    max_prompts=self.config.eval.max_prompts,
+                    divisor=self.config.actor.world_size,
+                )
+            )
+        else:
+            metrics["eval/score"] = metrics["eval/rewards/accuracies"]
+        return metrics
+
+    def _preference_eval(self) -> dict[str, float]:
+        from roll.algorithms.preference import PairLogps, preference_metrics
+
+        assert self.eval_pairs is not None
+        parts: dict[str, list[torch.Tensor]] = {}
+        offset = 0
+        for batch in self._chunks(self.eval_pairs, self.config.eval.max_pairs):
+            real = batch.meta["real_rows"]
+            indices = list(range(offset, offset + real))
+            offset += real
+            policy = self.actor.pair_logprobs(batch.select_keys(PAIR_FIELDS))
+            if self.config.reference.source == "precomputed":
+                reference = self.reference_logps(batch, "eval", indices)
+            else:
+                reference = self._reference_logps(batch)
+            for key, tensor in (
+                ("chosen", policy["chosen_logps"]),
+                ("rejected", policy["rejected_logps"]),
+                ("ref_chosen", reference["ref_chosen_logps"]),
+                ("ref_rejected", reference["ref_rejected_logps"]),
+            ):
+                parts.setdefault(key, []).append(tensor[:real])
+        whole = {key: torch.cat(values) for key, values in parts.items()}
+        ones = torch.ones_like(whole["chosen"])
+        logps = PairLogps(
+            whole["chosen"], whole["rejected"], whole["ref_chosen"], whole["ref_rejected"], ones, ones
+        )
+        return {f"eval/{k}": v for k, v in preference_metrics(logps, self.config.dpo.beta).items()}
+
+    def _score(self, batch: Batch) -> torch.Tensor:
+        assert self.config.reward is not None
+        return torch.tensor(
+            [
+                score_response(self.config.reward, prompt, response, sample).score
+                for prompt, response, sample in zip(
+                    batch["prompt_text"], batch["response_text"], batch["sample"]
+                )
+            ]
+        )
+
+    def finish(self, tracker: Tracker, results: dict[str, float], metrics: dict[str, float]) -> str:
+        """Save the trained policy (Hugging Face format); returns its path."""
+        if "eval/score" in metrics and "eval/score_before" in results:
+            tracker.print(f"DPO eval/score {results['eval/score_before']:.3f} -> {metrics['eval/score']:.3f}")
+        path = self.actor.save_pretrained(str(Path(self.config.output_dir) / "model"))
+        tracker.print(f"DPO model saved to {path}")
+        return path
+
+
+def pair_batch(pairs: PreferenceSet, indices: list[int], pad_id: int) -> Batch:
+    """Rows ``indices`` of ``pairs``: the prompt left-padded, the chosen completion as the response and
+    the rejected one beside it, both right-padded."""
+    prompt_ids, prompt_mask = left_pad([pairs.prompt_ids[i] for i in indices], pad_id)
+    chosen_ids, chosen_mask = right_pad([pairs.chosen_ids[i] for i in indices], pad_id)
+    rejected_ids, rejected_mask = right_pad([pairs.rejected_ids[i] for i in indices], pad_id)
+    return Batch(
+        tensors={
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "response_ids": chosen_ids,
+            "response_mask": chosen_mask,
+            REJECTED_IDS: rejected_ids,
+            REJECTED_MASK: rejected_mask,
+        }
+    )
