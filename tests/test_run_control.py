@@ -132,7 +132,6 @@ def assert_nothing_left(ray_processes: dict[int, str]) -> None:
 def test_a_stop_signal_ends_the_run_cleanly(
     repo_root: Path,
     tmp_path: Path,
-    request: pytest.FixtureRequest,
     stop: signal.Signals,
     exit_code: int,
     overrides: tuple[str, ...],
@@ -157,9 +156,8 @@ def test_a_stop_signal_ends_the_run_cleanly(
         last = checkpoint.latest_valid(checkpoint.checkpoints_root(out))
         assert last is not None and checkpoint.checkpoint_step(last) == rows[-1]["step"], stderr
         assert f"The last checkpoint is {last}; continue with: roll resume {out}" in line
-        # ... and the command it names continues the run: two more steps, each step logged once. It joins
-        # the session's Ray: starting a local one again would only cost seconds.
-        env = {**os.environ, "RAY_ADDRESS": request.getfixturevalue("ray_address")}
+        # ... and the command it names continues the run: two more steps, each step logged once.
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         command = [sys.executable, "-m", "roll.cli", "resume", str(out), f"steps={rows[-1]['step'] + 2}"]
         resumed = subprocess.run(command, cwd=repo_root, env=env, capture_output=True, text=True, timeout=300)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
