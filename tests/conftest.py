@@ -90,14 +90,15 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="session")
 def quickstart_run(repo_root: Path, tmp_path_factory: pytest.TempPathFactory, ray_address: str):
-    """`roll train examples/quickstart.yaml` shortened to 60 RL steps (SFT warm start, then GRPO) on the
+    """`roll train examples/quickstart.yaml` shortened to 30 RL steps (SFT warm start, then GRPO) on the
     session's Ray, run once per session: test_quickstart_e2e checks its stages and artifacts, and its SFT
-    warm start (``<output_dir>/sft/model``, held-out score 0.14) starts the PPO and LoRA learning tests,
-    which each made the same warm start before. Returns the output directory and the finished process."""
+    warm start (``<output_dir>/sft/model``, held-out score 0.14) starts the learning tests that need a
+    weak start (PPO, LoRA, DPO, distillation), which each made that warm start before. Returns the
+    output directory and the finished process."""
     from test_pipelines_cli import roll_train
 
     output_dir = tmp_path_factory.mktemp("quickstart") / "run"
-    overrides = [f"output_dir={output_dir}", "steps=60", "eval.every_steps=30", "tracking.backends=[jsonl]"]
+    overrides = [f"output_dir={output_dir}", "steps=30", "eval.every_steps=15", "tracking.backends=[jsonl]"]
     env = {"RAY_ADDRESS": ray_address}
     return output_dir, roll_train(repo_root, "examples/quickstart.yaml", *overrides, env=env)
 

@@ -35,10 +35,12 @@ def prompts(tokenizer) -> PromptSet:
     return PromptSet(rows, texts, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts])
 
 
+def start_rollout(tiny_model_path: str, rollout_workers: int) -> Cluster:
+    return Cluster("rollout", RolloutWorker, rollout_workers, Holder(ModelSpec(path=tiny_model_path, seed=3)))
+
+
 def start(tiny_model_path: str, rollout_workers: int, reward: str = "exact_match") -> tuple[Cluster, Cluster]:
-    rollout = Cluster(
-        "rollout", RolloutWorker, rollout_workers, Holder(ModelSpec(path=tiny_model_path, seed=3))
-    )
+    rollout = start_rollout(tiny_model_path, rollout_workers)
     scorer = Cluster("reward", RewardWorker, 1, reward, plugins=["rollout_test_rewards"])
     rollout.setup()
     return rollout, scorer
@@ -66,13 +68,16 @@ def test_sync_scheduler_gives_the_batch_of_batch_generation_then_batch_scoring(
         ]
     finally:
         rollout.kill()
-    rollout, scorer2 = start(tiny_model_path, 2)
-    sched = make_scheduler(rollout, scorer2, prompts, tokenizer)
+    # Fresh rollout workers (their sampling starts from the seed again); the reward worker keeps no state,
+    # so it scores for the scheduler too (a second one took seconds to start).
+    rollout = start_rollout(tiny_model_path, 2)
+    rollout.setup()
+    sched = make_scheduler(rollout, scorer, prompts, tokenizer)
     try:
         got, metrics = sched.next_batch(1)
     finally:
         sched.close()
-        for cluster in (rollout, scorer, scorer2):
+        for cluster in (rollout, scorer):
             cluster.kill()
     assert got["sample"] == batch["sample"]
     assert torch.equal(got["response_ids"], batch["response_ids"])
