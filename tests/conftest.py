@@ -160,3 +160,20 @@ def _can_create_in(directory: Path) -> bool:
         return False
     (directory / "probe").rmdir()
     return True
+
+
+# A test over this many seconds belongs to the slow tier (README, "Tests"): the fast tier must stay
+# within 5 minutes. Reported at the end of the run, not failed: a busy machine stretches any test.
+SLOW_TEST_S = 60.0
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """List the tests that ran longer than ``SLOW_TEST_S`` without the slow marker."""
+    unmarked = []
+    for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", []):
+        if report.when == "call" and report.duration > SLOW_TEST_S and "slow" not in report.keywords:
+            unmarked.append(f"{report.duration:.0f} s {report.nodeid}")
+    if unmarked:
+        terminalreporter.section(f"tests over {SLOW_TEST_S:.0f} s not marked slow")
+        for line in unmarked:
+            terminalreporter.write_line(line)

@@ -159,6 +159,9 @@ def metrics(out: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_session", "at_repo_root")
 def test_an_agentic_run_trains_on_episodes_evaluates_held_out_seeds_and_resumes(tmp_path: Path) -> None:
+    """Two agentic steps with a warm start, held-out evaluation and a checkpoint, then a resume: the
+    episode metrics, the evaluation and the seed cursor carried by a checkpoint exist only in a whole
+    run."""
     from roll.pipelines.agentic import AgenticPipeline
 
     out = tmp_path / "run"
@@ -183,6 +186,8 @@ def test_an_agentic_run_trains_on_episodes_evaluates_held_out_seeds_and_resumes(
 def test_a_killed_environment_worker_is_replaced_without_losing_a_step(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """An environment worker killed before a step is replaced within that step: needs a running pipeline
+    with real environment workers to lose."""
     import logging
 
     from roll.pipelines.agentic import AgenticPipeline
@@ -296,7 +301,9 @@ def test_frozenlake_held_out_success_rises_with_rl(repo_root: Path, tmp_path: Pa
         env={**os.environ, "RAY_ADDRESS": ray_address},  # the session's Ray: none to start and stop
         capture_output=True,
         text=True,
-        timeout=600,
+        # Only a guard against a hang: about 90 s alone, 4 minutes beside another test run, and past 30
+        # minutes on 2 cores shared with two test runs and four busy loops.
+        timeout=3 * 3600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

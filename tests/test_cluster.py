@@ -1,7 +1,9 @@
 """Tests for roll.distributed.cluster: Cluster calls over real Ray actors, errors, timeouts, dead ranks.
 
 Workers here are cheap (no models) and every cluster is killed at the end of its test, so actors do not
-pile up on a small machine. Sleeps are short: the timing asserts check that nothing hangs, not speed.
+pile up on a small machine. No test depends on how busy the machine is: work a call must not wait for
+sleeps for 10 minutes (and is killed, not waited for) or waits for a file the test creates when it is
+done, and the time asserts only tell "cut short" from "waited for the slow work", with a wide margin.
 """
 
 from __future__ import annotations
@@ -66,8 +68,32 @@ class EchoWorker(Worker):
         time.sleep(seconds)
         return start, time.time()
 
+    @register(Dispatch.ONE_TO_ALL)
+    def wait_for_file(self, path: str) -> tuple[float, float]:
+        """Busy until the file ``path`` exists (the test creates it); when it waited, like timed_sleep."""
+        start = time.time()
+        wait_for(path)
+        return start, time.time()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def meet(self, mine: str, theirs: str) -> bool:
+        """Create the file ``mine``, then wait for ``theirs``: whether it came (the other call ran too)."""
+        open(mine, "w").close()
+        return wait_for(theirs)
+
     def not_registered(self) -> None:
         """Not exposed on the Cluster."""
+
+
+def wait_for(path: str, timeout_s: float = 600.0) -> bool:
+    """Whether the file ``path`` appears within ``timeout_s``: far longer than any test waits for it (a
+    rank still waiting when its test ends is killed)."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 class FaultyWorker(Worker):
@@ -88,6 +114,11 @@ class FaultyWorker(Worker):
     def die_on_rank_one(self) -> int:
         if self.rank == 1:
             os._exit(1)
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def wait_for_file(self, path: str) -> int:
+        wait_for(path)
         return self.rank
 
     @register(Dispatch.ONE_TO_ALL)
@@ -113,7 +144,23 @@ def make_cluster() -> Iterator[Callable[..., Cluster]]:
 
     yield make
     for cluster in clusters:
-        cluster.kill()
+        kill_without_asking(cluster)
+
+
+def kill_without_asking(cluster: Cluster) -> None:
+    """End the cluster's actors and wait until they are gone. Not ``Cluster.kill()`` (tested by
+    test_kill_ends_the_actors), which first asks every rank to shut down: a rank a test left sleeping or
+    hanging answers only when it wakes, seconds per test, and these workers hold nothing to release."""
+    for worker in cluster.workers:
+        ray.kill(worker)
+    deadline = time.monotonic() + 10.0
+    for worker in cluster.workers:
+        while time.monotonic() < deadline:
+            try:
+                ray.get(worker.ping.remote(), timeout=1.0)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                break
+            time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -177,15 +224,14 @@ def test_non_blocking_call_returns_a_future_with_the_same_result(echo_pair):
     assert future.get() == cluster.whoami("x")
 
 
-def test_calls_on_two_clusters_run_concurrently(make_cluster):
+def test_calls_on_two_clusters_run_concurrently(make_cluster, tmp_path):
     first = make_cluster("first", EchoWorker, world_size=1)
     second = make_cluster("second", EchoWorker, world_size=1)
-    wait_all(first.ping(blocking=False), second.ping(blocking=False))  # both actors up before timing
-    [(start_a, end_a)], [(start_b, end_b)] = wait_all(
-        first.timed_sleep(1.0, blocking=False), second.timed_sleep(1.0, blocking=False)
-    )
-    # Overlapping intervals prove concurrency without depending on how busy the machine is.
-    assert max(start_a, start_b) < min(end_a, end_b)
+    wait_all(first.ping(blocking=False), second.ping(blocking=False))  # both actors up
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    # Each call leaves a file and waits for the other's: both return True only if the second call was
+    # sent while the first still ran, however slowly either actor starts or runs.
+    assert wait_all(first.meet(a, b, blocking=False), second.meet(b, a, blocking=False)) == [[True], [True]]
 
 
 # ------------------------------------------------------------------ one rank, and whichever answers first
@@ -216,47 +262,52 @@ def test_call_rank_errors_and_timeouts_name_the_rank_called(make_cluster):
     assert "faulty rank 1" in str(info.value) and "boom" in str(info.value)
     start = time.monotonic()
     with pytest.raises(WorkerTimeoutError) as timeout:
-        cluster.call_rank(1, "sleep", 5, timeout_s=0.5)
-    assert time.monotonic() - start < 4
+        cluster.call_rank(1, "sleep", 600, timeout_s=0.5)  # the fixture kills the sleeping rank
+    assert 0.5 <= time.monotonic() - start < 60  # the timeout cut it short: no wait for the sleep
     assert (timeout.value.rank, timeout.value.method) == (1, "sleep")
 
 
-def test_wait_any_returns_the_ready_futures_in_order_and_nothing_on_timeout(make_cluster):
+def test_wait_any_returns_the_ready_futures_in_order_and_nothing_on_timeout(make_cluster, tmp_path):
     cluster = make_cluster("echo", EchoWorker)
     cluster.ping()  # both actors up before timing
-    slow = cluster.call_rank(0, "timed_sleep", 2.0, blocking=False)
+    gate = tmp_path / "gate"
+    slow = cluster.call_rank(0, "wait_for_file", str(gate), blocking=False)  # runs until the gate opens
     quick = cluster.call_rank(1, "timed_sleep", 0.0, blocking=False)
     start = time.monotonic()
-    assert wait_any([slow, quick], timeout_s=10) == [quick]
-    assert time.monotonic() - start < 1.5, "wait_any waited for the slow call"
+    assert wait_any([slow, quick], timeout_s=120) == [quick]
+    assert time.monotonic() - start < 60, "wait_any waited for the slow call"
     assert len(quick.get()) == 2  # ready: get() returns that rank's (start, end) at once
-    # A call on every rank is ready only once all of them answered: rank 0 is still sleeping.
+    # A call on every rank is ready only once all of them answered: rank 0 is still busy.
     everyone = cluster.whoami("all", blocking=False)
     start = time.monotonic()
     assert wait_any([everyone, slow], timeout_s=0.3) == []
-    assert time.monotonic() - start < 1.0
-    # Rank 0 answers `everyone` only after its sleep, so once `everyone` is ready both are (waiting on
-    # both at once may return in the instant between the sleep's end and `whoami`'s).
-    assert wait_any([everyone], timeout_s=10) == [everyone]
-    assert wait_any([everyone, slow], timeout_s=10) == [everyone, slow]  # both ready, in the given order
+    assert 0.3 <= time.monotonic() - start < 60  # the timeout ended the wait: nothing could be ready
+    gate.touch()
+    # Rank 0 answers `everyone` only after `slow`, so once `everyone` is ready both are (waiting on
+    # both at once may return in the instant between the end of `slow` and `whoami`'s).
+    assert wait_any([everyone], timeout_s=120) == [everyone]
+    assert wait_any([everyone, slow], timeout_s=120) == [everyone, slow]  # both ready, in the given order
     assert [answer["rank"] for answer in everyone.get()] == [0, 1]
     assert wait_any([], timeout_s=10) == []
 
 
-def test_wait_any_raises_for_an_overdue_call_naming_its_rank(make_cluster):
+def test_wait_any_raises_for_an_overdue_call_naming_its_rank(make_cluster, tmp_path):
     cluster = make_cluster("sleepy", FaultyWorker)
     cluster.ping()
-    overdue = cluster.call_rank(1, "sleep", 5, blocking=False, timeout_s=0.5)
-    on_time = cluster.call_rank(0, "sleep", 5, blocking=False)
+    gate = str(tmp_path / "gate")  # both calls run until it exists
+    overdue = cluster.call_rank(1, "wait_for_file", gate, blocking=False, timeout_s=0.5)
+    on_time = cluster.call_rank(0, "wait_for_file", gate, blocking=False)
     start = time.monotonic()
     with pytest.raises(WorkerTimeoutError) as info:
-        wait_any([on_time, overdue], timeout_s=10)
-    assert time.monotonic() - start < 4, "the overdue call was reported after its deadline plus much more"
-    assert (info.value.role, info.value.rank, info.value.method) == ("sleepy", 1, "sleep")
+        wait_any([on_time, overdue], timeout_s=120)
+    # Neither call can end before the gate opens: only the overdue call's deadline ends this wait.
+    assert time.monotonic() - start < 60, "the overdue call was reported after its deadline plus much more"
+    assert (info.value.role, info.value.rank, info.value.method) == ("sleepy", 1, "wait_for_file")
     assert "sleepy rank 1" in str(info.value)
+    (tmp_path / "gate").touch()
     # A failed rank makes its future ready; get() then raises naming it.
     failed = cluster.call_rank(1, "fail_on_rank_one", blocking=False)
-    assert wait_any([failed], timeout_s=30) == [failed]
+    assert wait_any([failed], timeout_s=120) == [failed]
     with pytest.raises(WorkerError, match="sleepy rank 1 failed in fail_on_rank_one"):
         failed.get()
 
@@ -282,13 +333,14 @@ def test_exception_on_one_rank_names_role_rank_method_and_remote_traceback(make_
 
 def test_call_slower_than_the_timeout_raises_promptly_naming_role_and_rank(make_cluster):
     cluster = make_cluster("sleepy", FaultyWorker, world_size=1, timeout_s=1)
-    # Starting the actor takes longer than 1 s; wait for it so the timeout measures only the call.
-    ray.get([worker.ping.remote() for worker in cluster.workers], timeout=120)
+    # Starting the actor takes longer than 1 s (minutes on a busy machine); wait for it so the timeout
+    # measures only the call.
+    ray.get([worker.ping.remote() for worker in cluster.workers], timeout=900)
     start = time.monotonic()
     with pytest.raises(WorkerTimeoutError) as info:
-        cluster.sleep(5)
+        cluster.sleep(600)  # the fixture kills the sleeping rank
     elapsed = time.monotonic() - start
-    assert elapsed < 4, f"timeout took {elapsed:.1f} s: the driver waited for the sleep instead of timing out"
+    assert 1 <= elapsed < 60, f"timeout took {elapsed:.1f} s: the driver waited for the sleep instead"
     error = info.value
     assert isinstance(error, TimeoutError) and isinstance(error, WorkerError)
     assert "sleepy" in str(error) and "rank 0" in str(error) and "sleep" in str(error)
@@ -305,13 +357,13 @@ def test_dead_worker_process_raises_worker_error_naming_the_rank(make_cluster):
 
 
 def test_rank_that_fails_fast_is_reported_without_waiting_for_a_hanging_rank(make_cluster):
-    cluster = make_cluster("mixed", FaultyWorker, timeout_s=60)
+    cluster = make_cluster("mixed", FaultyWorker, timeout_s=300)
     cluster.ping()
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        cluster.hang_on_rank_zero_fail_on_rank_one(6)
+        cluster.hang_on_rank_zero_fail_on_rank_one(600)  # the fixture kills the hanging rank
     elapsed = time.monotonic() - start
-    assert elapsed < 4, f"the failing rank was reported after {elapsed:.1f} s, i.e. after the hanging one"
+    assert elapsed < 60, f"the failing rank was reported after {elapsed:.1f} s: the driver waited for another"
     assert info.value.rank == 1
     assert "rank 1 gave up" in str(info.value)
     assert not isinstance(info.value, WorkerTimeoutError)

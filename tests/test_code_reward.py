@@ -36,8 +36,17 @@ def sandbox() -> None:
 in_sandbox = pytest.mark.usefixtures("sandbox")
 
 
+# Programs that must finish get far more time than they need, even on a loaded machine, where starting a
+# sandbox can take seconds.
+ROOMY_S = 120.0
+# Programs that loop forever get a short timeout, which they always reach. Not a whole number: the reward's
+# CPU limit, ceil(timeout_s) = 2 s, then trails the wall clock by half a second, so the loop is stopped
+# (and counted) as the timeout it is, not by the CPU limit.
+ENDLESS_TIMEOUT_S = 1.5
+
+
 def reward(response: str, sample: dict, **options) -> RewardOutput:
-    return code_tests("prompt", response, sample, timeout_s=options.pop("timeout_s", 2.0), **options)
+    return code_tests("prompt", response, sample, timeout_s=options.pop("timeout_s", ROOMY_S), **options)
 
 
 def fenced(code: str, tag: str = "python") -> str:
@@ -250,7 +259,9 @@ def test_a_failing_sandbox_is_counted_not_blamed(monkeypatch):
     ],
 )
 def test_hostile_programs_score_zero_and_the_next_still_scores(name, program, timed_out):
-    out = reward(fenced(program), SQUARE, timeout_s=1.0, memory_mb=256)
+    # Only the endless loops may time out; the others must end on their own, however slowly.
+    timeout_s = ENDLESS_TIMEOUT_S if timed_out else ROOMY_S
+    out = reward(fenced(program), SQUARE, timeout_s=timeout_s, memory_mb=256)
     assert out.score == 0.0, name
     assert out.info["timeout"] == timed_out and out.info["sandbox_error"] == 0.0
     assert reward(GOOD_SQUARE, SQUARE).score == 1.0

@@ -262,7 +262,8 @@ def test_collect_finished_hands_over_a_short_request_while_a_long_one_runs(model
         assert paused.wait(WAIT_S)
         first = engine.collect_finished(WAIT_S)  # returns although "long" is held mid-generation
         start = time.monotonic()
-        assert engine.collect_finished(0.2) == []  # nothing more finished: a timeout, not a repeat
+        # Nothing more finished: a timeout, not a repeat, and not a wait for "long", held for WAIT_S.
+        assert engine.collect_finished(0.2) == []
         waited = time.monotonic() - start
         with pytest.raises(KeyError, match="'short'"):
             engine.await_result("short", timeout_s=0)  # handed over once, then forgotten
@@ -274,7 +275,7 @@ def test_collect_finished_hands_over_a_short_request_while_a_long_one_runs(model
         gate.remove()
         engine.shutdown()
     assert [(r.request_id, r.finish_reason, len(r.token_ids)) for r in first] == [("short", "length", 2)]
-    assert 0.2 <= waited < 2.0
+    assert 0.2 <= waited < WAIT_S / 2
     assert [(r.request_id, r.finish_reason, len(r.token_ids)) for r in second] == [("long", "length", 12)]
     assert second[0].token_ids == alone(model, tokenizer, prompts[0], long_params)[0]
 
@@ -357,18 +358,36 @@ def test_collect_finished_raises_for_a_failed_request_and_keeps_the_others(model
     assert [r.request_id for r in rest] == ["before", "after"]  # still in finish order
 
 
+class _RecordingCondition(threading.Condition):
+    """A condition variable that says when a thread has started waiting on it."""
+
+    def __init__(self, lock) -> None:
+        super().__init__(lock)
+        self.waiting = threading.Event()
+
+    def wait(self, timeout=None):
+        self.waiting.set()  # the lock is still held: nobody can notify before the wait below begins
+        return super().wait(timeout)
+
+
 def test_shutdown_wakes_a_waiting_collect_finished(model, tokenizer) -> None:
     engine = HFEngine(model, tokenizer, "cpu")
+    engine._finished_ready = finished_ready = _RecordingCondition(engine._state_lock)
     answers: list[list[GenerateResult]] = []
-    waiter = threading.Thread(target=lambda: answers.append(engine.collect_finished(60.0)))
+    # It would wait far longer than the test allows if the shutdown did not wake it.
+    waiter = threading.Thread(
+        target=lambda: answers.append(engine.collect_finished(10 * WAIT_S)), daemon=True
+    )
     waiter.start()
-    time.sleep(0.2)  # let it block; were it late, it would see the shutdown and return at once all the same
+    assert finished_ready.waiting.wait(WAIT_S), "collect_finished never started waiting"
     start = time.monotonic()
     engine.shutdown()
     waiter.join(WAIT_S)
     assert not waiter.is_alive() and answers == [[]]
-    assert time.monotonic() - start < 5.0
-    assert engine.collect_finished(60.0) == []  # shut down: no waiting at all
+    assert time.monotonic() - start < WAIT_S / 2
+    start = time.monotonic()
+    assert engine.collect_finished(WAIT_S) == []  # shut down: no waiting at all
+    assert time.monotonic() - start < WAIT_S / 2
 
 
 def test_sampler_truncation_matches_transformers_warpers() -> None:
@@ -412,7 +431,7 @@ def test_large_vocabulary_generation_keeps_memory_bounded(path, tmp_path, repo_r
         + ["--save", str(out)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=3 * 3600,  # only a guard against a hang: 1 to 5 minutes per path on 2 cores, by load
         env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -85,6 +85,8 @@ def test_critic_learns_the_returns(tiny_model_path, batch):
 @pytest.mark.slow  # two FSDP2 ranks: about 20 s; the fast suite keeps the one-rank critic tests
 @pytest.mark.usefixtures("ray_session")
 def test_two_rank_critic_equals_one_rank(tiny_model_path, batch):
+    """Two FSDP2 critic ranks over gloo train exactly as one: needs two worker processes and a collective,
+    which the one-rank critic tests cannot show."""
     one, one_values = train_critic(tiny_model_path, batch, world_size=1, steps=3)
     two, two_values = train_critic(tiny_model_path, batch, world_size=2, steps=3)
     assert pytest.approx([r["loss"] for r in one], abs=1e-5) == [r["loss"] for r in two]

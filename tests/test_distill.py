@@ -90,6 +90,9 @@ def test_a_teacher_equal_to_the_student_gives_zero_divergence_and_no_gradient(
 def test_a_student_moves_towards_another_teacher_and_a_second_run_reads_the_cache(
     tmp_path, tiny_model_path, other_model_path, at_repo_root, ray_session, monkeypatch
 ):
+    """Two whole distillation runs: the first scores with temporary teacher workers and caches, the second
+    must replay it from the cache alone with the teacher's start forbidden. Only a pipeline run has both
+    halves."""
     from roll.pipelines import run_pipeline
     from roll.pipelines.distill import DistillPipeline
 

@@ -303,6 +303,8 @@ TRL_METRICS = {
 def test_a_precomputed_reference_trains_exactly_like_a_reference_worker_and_is_read_back(
     tmp_path, tiny_model_path, at_repo_root, ray_session
 ):
+    """Three DPO runs (reference worker, precomputed, cache read back) must log the same losses: the equality
+    is only visible across whole pipeline runs."""
     online = run_dpo(tmp_path, tiny_model_path, "worker", "reference.source=worker")
     cache = tmp_path / "cache"
     cached = run_dpo(tmp_path, tiny_model_path, "precomputed", f"reference.cache_dir={cache}")

@@ -1,11 +1,14 @@
 """The environment pool: many episodes per call, and failures (an env that raises or hangs) retried once on
 a fresh instance with the episode replayed, then reported, never raised. Hangs are endless (an event
-never set until the test ends), so the outcome does not depend on timing; the timeout only bounds how
-long the test waits."""
+never set until the test ends), so the outcome does not depend on timing. Where calls that hang and calls
+that must finish meet, a pool that times out exactly the hung calls (``HangAwarePool``) decides, so no
+call that must finish has to do so within a short timeout."""
 
 from __future__ import annotations
 
 import threading
+import time
+import weakref
 
 import pytest
 
@@ -15,6 +18,29 @@ from roll.envs.frozen_lake import FrozenLake, shortest_path
 from roll.envs.pool import ERROR, OK, TIMEOUT, EnvPool
 
 RELEASE = threading.Event()  # set at the end: hung env threads then finish
+# A step timeout far above any call's need, even on a loaded machine.
+ROOMY_S = 120.0
+_HUNG: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # env calls' threads blocked in hang()
+
+
+def hang(release: threading.Event) -> None:
+    """Block the env call that runs this until ``release`` is set, and let a ``HangAwarePool`` time the
+    call out at once."""
+    _HUNG.add(threading.current_thread())
+    release.wait()
+
+
+class HangAwarePool(EnvPool):
+    """An EnvPool whose calls time out exactly when their env hangs (``hang``), at once, while every other
+    call gets up to ``step_timeout_s`` (give it a roomy one) to finish: which calls time out never depends
+    on how long a call takes on a loaded machine."""
+
+    def _wait(self, thread: threading.Thread, done: threading.Event) -> bool:
+        give_up = time.monotonic() + self.step_timeout_s
+        while not done.wait(0.001):
+            if thread in _HUNG or time.monotonic() >= give_up:
+                return False
+        return True
 
 
 class Faulty(TextEnv):
@@ -31,7 +57,7 @@ class Faulty(TextEnv):
         if self.calls == at:
             if how == "raise":
                 raise RuntimeError(f"instance {self.key} broke")
-            RELEASE.wait()
+            hang(RELEASE)
         self.calls += 1
 
     def reset(self, seed):
@@ -106,7 +132,7 @@ def test_an_env_that_fails_twice_is_reported_and_dropped(faulty) -> None:
 
 def test_a_hung_env_times_out_and_a_fresh_instance_takes_over(faulty) -> None:
     Faulty.plan = {(0, 0): ("hang", 2)}  # the first instance hangs at its second step
-    pool = EnvPool("faulty", step_timeout_s=0.2)
+    pool = HangAwarePool("faulty", step_timeout_s=ROOMY_S)
     pool.reset([("a", 0)])
     pool.step([("a", "1")])
     result = pool.step([("a", "4")])[0]
@@ -114,8 +140,21 @@ def test_a_hung_env_times_out_and_a_fresh_instance_takes_over(faulty) -> None:
     Faulty.plan[(0, 1)] = ("hang", 3)  # the instance that took over hangs at its next step ...
     Faulty.plan[(0, 2)] = ("hang", 0)  # ... and the one after it at its reset
     failed = pool.step([("a", "1")])[0]
-    assert failed.status == TIMEOUT and failed.error == "timed out after 0.2 s"
+    assert failed.status == TIMEOUT and failed.error == f"timed out after {ROOMY_S} s"
     assert pool.counters["timeouts"] == 1 and pool.live == 0
+    pool.shutdown()
+
+
+def test_a_reset_that_hangs_on_both_tries_times_out_after_the_step_timeout(faulty) -> None:
+    """The pool's own clock: every call of this episode hangs, so none has to finish in time, and each
+    waits out the timeout, however busy the machine."""
+    Faulty.plan = {(0, 0): ("hang", 0), (0, 1): ("hang", 0)}
+    pool = EnvPool("faulty", step_timeout_s=0.2)
+    started = time.monotonic()
+    (result,) = pool.reset([("a", 0)])
+    assert time.monotonic() - started >= 2 * 0.2
+    assert (result.status, result.retried, result.error) == (TIMEOUT, True, "timed out after 0.2 s")
+    assert pool.counters["retries"] == 1 and pool.counters["timeouts"] == 1 and pool.live == 0
     pool.shutdown()
 
 

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 from fake_rollout import FakeBackend
+from test_env_pool import ROOMY_S, HangAwarePool, hang
 
 from roll.data.chat_turns import ChatTurns
 from roll.envs import ENVIRONMENTS
@@ -41,7 +42,7 @@ class FaultyLake(FrozenLake):
         if self.seed_ in FaultyLake.broken:
             raise RuntimeError(f"lake {self.seed_} cracked")
         if self.seed_ in FaultyLake.hung:
-            RELEASE.wait()
+            hang(RELEASE)
         return super().step(action_text)
 
 
@@ -111,6 +112,7 @@ def scheduler(
     timeout_s=30.0,
     workers=1,
     env_latency=None,
+    pool_class=EnvPool,
 ):
     backend = FakeBackend(script, num_workers=workers)
     spec = EpisodeSpec(
@@ -120,7 +122,7 @@ def scheduler(
         redundancy=redundancy,
         stop_policy=policy or {},
     )
-    pool = EnvPool(env, {"size": 4}, step_timeout_s=timeout_s)
+    pool = pool_class(env, {"size": 4}, step_timeout_s=timeout_s)
     chat = ChatTurns(TOKENIZER, [EOS])
     seeds = SeedOrder(FrozenLake(size=4), held_out=10)
     params = SamplingParams(max_new_tokens=4, stop_token_ids=(EOS,))
@@ -186,7 +188,10 @@ def test_a_group_completes_from_its_fast_episodes_while_a_slow_env_still_runs() 
 def test_an_env_that_raises_or_hangs_costs_its_group_and_is_counted() -> None:
     FaultyLake.broken = {10}  # the first training seed
     FaultyLake.hung = {11}  # the second
-    sched, _, _ = scheduler(expert(), groups=2, group_size=2, env="faulty_lake", timeout_s=0.2)
+    # The hung steps time out at once; every other env call has all the time it needs.
+    sched, _, _ = scheduler(
+        expert(), groups=2, group_size=2, env="faulty_lake", timeout_s=ROOMY_S, pool_class=HangAwarePool
+    )
     batch, metrics = sched.next_batch(1)
     assert len(batch) == 4 and 10 not in batch["seed"] and 11 not in batch["seed"]
     assert metrics["rollout/dropped_groups"] == 2

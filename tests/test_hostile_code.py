@@ -24,6 +24,14 @@ from roll.sandbox import SandboxUnavailable, resolve_isolation
 from roll.workers.reward import RewardWorker
 
 SECRET_VAR = "ROLL_TEST_SECRET"
+# Programs that must end on their own get far more time than they need, even on a loaded machine (a
+# program that ran out of time would score 0 without showing that its attack failed). The endless loop
+# is scored in a domain of its own with a short timeout, which it always reaches.
+ROOMY_S = 120.0
+ENDLESS_TIMEOUT_S = 1.5  # not a whole number: the CPU limit (ceil, 2 s) trails the wall clock
+ENDLESS = "infinite loop"
+# Far longer than the test runs: a daemon sleeping this long is alive unless the sandbox killed it.
+ENDLESS_S = 600
 SQUARE_TESTS = [{"call": f"square({x})", "expected": x * x} for x in (1, 2, 3)]
 GOOD = "def square(x):\n    return x * x\n"
 
@@ -32,7 +40,7 @@ def hostile_programs(marker: str, outside: Path, port: int) -> dict[str, str]:
     """name -> a program whose ``square`` is right only if the attack worked."""
     win = "def square(x):\n    return x * x if WON else -1\n"
     programs = {
-        "infinite loop": "while True:\n    pass\n" + GOOD,
+        ENDLESS: "while True:\n    pass\n" + GOOD,
         "fork bomb": "import os\nwhile True:\n    os.fork()\n" + GOOD,
         "memory bomb": "hog = bytearray(1 << 34)\n" + GOOD,
         "disk fill": """\
@@ -66,7 +74,7 @@ def hostile_programs(marker: str, outside: Path, port: int) -> dict[str, str]:
             import socket
             WON = False
             try:
-                socket.create_connection(("127.0.0.1", {port}), timeout=1).close()
+                socket.create_connection(("127.0.0.1", {port}), timeout=60).close()
                 WON = True
             except OSError:
                 pass
@@ -85,7 +93,7 @@ def hostile_programs(marker: str, outside: Path, port: int) -> dict[str, str]:
             if os.fork() == 0:
                 os.setsid()
                 if os.fork() == 0:
-                    os.execv("/bin/sh", ["/bin/sh", "-c", "sleep 30", {marker!r}])
+                    os.execv("/bin/sh", ["/bin/sh", "-c", "sleep {ENDLESS_S}", {marker!r}])
                 os._exit(0)
             WON = True
             """,
@@ -113,13 +121,13 @@ def still_running(marker: str) -> list[int]:
     return found
 
 
-def score(reward: Cluster, program: str) -> tuple[float, dict]:
+def score(reward: Cluster, program: str, domain: str = "code") -> tuple[float, dict]:
     batch = Batch(
         non_tensors={
             "prompt_text": ["square"],
             "response_text": [f"```python\n{program}```"],
             "sample": [{"tests": SQUARE_TESTS}],
-            "domain": ["code"],
+            "domain": [domain],
         }
     )
     out = reward.compute_rewards(batch)
@@ -136,8 +144,10 @@ def test_hostile_programs_score_zero_and_the_reward_worker_serves_the_next(
         skip_without_sandbox(f"no sandbox isolation here: {e}")
     # The reward worker's environment holds the secret too: its processes are the sandbox's parents.
     monkeypatch.setenv(SECRET_VAR, "s3cret")
-    spec = RewardSpec.single("code_tests", {"timeout_s": 1.0, "memory_mb": 256})
-    reward = Cluster("reward", RewardWorker, 1, {"code": DomainRewards(spec, spec)}, timeout_s=60)
+    spec = RewardSpec.single("code_tests", {"timeout_s": ROOMY_S, "memory_mb": 256})
+    endless = RewardSpec.single("code_tests", {"timeout_s": ENDLESS_TIMEOUT_S, "memory_mb": 256})
+    domains = {"code": DomainRewards(spec, spec), "endless": DomainRewards(endless, endless)}
+    reward = Cluster("reward", RewardWorker, 1, domains, timeout_s=10 * ROOMY_S)
     listener = socket.create_server(("127.0.0.1", 0))
     marker = f"roll-daemon-{uuid.uuid4().hex}"
     outside = tmp_path / "escaped.txt"
@@ -145,8 +155,10 @@ def test_hostile_programs_score_zero_and_the_reward_worker_serves_the_next(
         assert score(reward, GOOD)[0] == 1.0
         worker_pid = os.getpid()
         for name, program in hostile_programs(marker, outside, listener.getsockname()[1]).items():
-            value, info = score(reward, program)
+            value, info = score(reward, program, "endless" if name == ENDLESS else "code")
             assert value == 0.0, (name, info)
+            # The loop was stopped by its timeout; every other program ended on its own.
+            assert info["timeout"] == float(name == ENDLESS), (name, info)
             assert still_running(marker) == [], name
             assert not outside.exists(), name
             assert score(reward, GOOD)[0] == 1.0, f"the worker did not serve the next sample after: {name}"

@@ -20,7 +20,9 @@ from roll.strategies.infer.hf import HFEngine
 from roll.strategies.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=8, greedy=True)
-WAIT_S = 10.0  # generous: only reached when something is broken, and then the test fails instead of hanging
+# Far above any wait's need, even on a loaded machine: only reached when something is broken, and then
+# the test fails instead of hanging.
+WAIT_S = 120.0
 
 
 @pytest.fixture
@@ -303,16 +305,21 @@ def test_release_and_reacquire_on_cpu(engine, tokenizer, prompts) -> None:
 def test_shutdown_aborts_queued_requests_and_refuses_new_ones(engine, model, prompts) -> None:
     gate = ForwardGate(model)
     paused, go = gate.pause(batch_size=1, call=1)
+    shutting_down = threading.Thread(target=engine.shutdown)
     try:
         engine.submit(GenerateRequest("running", prompts[0], GREEDY))
         assert paused.wait(WAIT_S)
         engine.submit(GenerateRequest("queued", prompts[1], SamplingParams(max_new_tokens=4, greedy=True)))
-        threading.Timer(0.05, go.set).start()  # shutdown waits for the running batch
-        engine.shutdown()
+        shutting_down.start()
+        # Shutdown aborts the queued request at once, and marks the running one in the same step ...
+        queued = engine.await_result("queued", timeout_s=WAIT_S)
+        go.set()  # ... then waits for the running batch, which stops after the step in progress.
+        shutting_down.join(WAIT_S)
+        assert not shutting_down.is_alive(), "shutdown did not return"
     finally:
         go.set()
         gate.remove()
-    assert engine.await_result("queued", timeout_s=0) == GenerateResult("queued", [], [], "abort")
+    assert queued == GenerateResult("queued", [], [], "abort")
     running = engine.await_result("running", timeout_s=0)
     assert running.finish_reason == "abort" and 1 <= len(running.token_ids) < GREEDY.max_new_tokens, running
     with pytest.raises(RuntimeError, match="shut down"):

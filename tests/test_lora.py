@@ -220,7 +220,7 @@ def test_fsdp_lora_syncs_the_adapter_and_the_probe_stops_a_sync_that_loaded_noth
         wait_all(setup_trainer(actor, blocking=False), rollout.setup(blocking=False))
         sequences = probe_sequences(len(tokenizer), 4, seed=0)
         probe = SyncProbe(sequences, tolerance=1e-3)
-        adapter = WeightSync(actor, rollout, bucket_bytes=4096, timeout_s=30, probe=probe)
+        adapter = WeightSync(actor, rollout, bucket_bytes=4096, timeout_s=120, probe=probe)
         adapter.connect()
         assert adapter.payload == "adapter"
         actor.train_step(batch)
@@ -229,7 +229,7 @@ def test_fsdp_lora_syncs_the_adapter_and_the_probe_stops_a_sync_that_loaded_noth
         trained = actor.compute_logprobs(batch)["logprobs"]
         torch.testing.assert_close(rollout.compute_logprobs(batch)["logprobs"], trained, atol=1e-5, rtol=1e-5)
 
-        merged = WeightSync(actor, rollout, bucket_bytes=4096, timeout_s=30, payload="merged", probe=probe)
+        merged = WeightSync(actor, rollout, bucket_bytes=4096, timeout_s=120, payload="merged", probe=probe)
         merged.connect()
         actor.train_step(batch)
         merged_stats = merged.sync(version=2)

@@ -21,14 +21,15 @@ def roll_train(
     cwd: Path | None = None,
 ) -> subprocess.CompletedProcess:
     """``roll train`` in a subprocess, as a user runs it (from ``cwd``, default the repo root); asserts
-    the exit code."""
+    the exit code. The timeout only guards against a hang: a run beside CPU-bound jobs takes many times
+    its quiet-machine time."""
     result = subprocess.run(
         [sys.executable, "-m", "roll.cli", "train", config, *overrides],
         cwd=cwd or repo_root,
         env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=3 * 3600,
     )
     assert result.returncode == returncode, result.stdout[-3000:] + result.stderr[-3000:]
     return result
@@ -39,23 +40,26 @@ def metrics(output_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_sft_pipeline_learns_and_saves_a_loadable_model(repo_root, tmp_path, ray_address):
+def test_standalone_sft_config_trains_evaluates_and_saves_a_loadable_model(repo_root, tmp_path, ray_address):
+    """examples/sft.yaml through `roll train`: its own model, data, schedule and evaluation, and a model
+    plain loading reads. That the SFT pipeline learns (its loss more than halves, held-out rises from 0)
+    is asserted on the quickstart's warm start, the same pipeline (test_quickstart_e2e)."""
     out = tmp_path / "sft"
     roll_train(
         repo_root,
         "examples/sft.yaml",
         f"output_dir={out}",
-        "train.steps=200",
-        "eval.every_steps=100",
-        "eval.max_prompts=100",
+        "train.steps=20",
+        "eval.every_steps=10",
+        "eval.max_prompts=20",
         "tracking.backends=[jsonl]",
         env={"RAY_ADDRESS": ray_address},
     )
     rows = metrics(out)
     losses = [row["sft/loss"] for row in rows if "sft/loss" in row]
-    assert len(losses) == 200 and losses[-1] < 0.5 * losses[0], losses[::20]
+    assert len(losses) == 20 and losses[-1] < losses[0], losses
     assert {row["sft/samples"] for row in rows if "sft/loss" in row} == {64}  # train.batch_size
-    assert [row["step"] for row in rows if "eval/score" in row] == [0, 100, 200]
+    assert [row["step"] for row in rows if "eval/score" in row] == [0, 10, 20]
 
     from roll.models.loading import load_causal_lm, load_tokenizer
 
@@ -63,46 +67,31 @@ def test_sft_pipeline_learns_and_saves_a_loadable_model(repo_root, tmp_path, ray
     assert model.config.num_hidden_layers == 2 and tokenizer.eos_token == "<|eos|>"
 
 
-@pytest.mark.slow
-def test_rlvr_with_kl_minibatches_and_several_ranks_per_role(repo_root, tmp_path, ray_address):
-    out = tmp_path / "rlvr"
-    roll_train(
-        repo_root,
-        "examples/quickstart.yaml",
-        f"output_dir={out}",
-        "sft_warm_start=null",
-        "steps=3",
-        "eval.every_steps=2",
-        "eval.max_prompts=16",
-        "tracking.backends=[jsonl]",
-        "algorithm.kl_coef=0.05",
-        "actor.mini_batch_size=32",
-        "actor.micro_batch_size=8",
-        "actor.ppo_epochs=2",
-        "actor.world_size=2",
-        "rollout.world_size=2",
-        "reward=math_verify",  # scored on two reward workers (exact_match is scored in the controller)
-        "reward_world_size=2",
-        env={"RAY_ADDRESS": ray_address},
-    )
-    rows = [row for row in metrics(out) if "time/step_s" in row]
-    assert len(rows) == 3
-    for row in rows:
-        # The reference ran (KL is logged), and old logprobs were computed (several updates per batch).
-        assert row["actor/kl"] >= 0.0
-        assert row["time/logprobs_s"] > 0.0
-        assert 0.0 <= row["actor/clip_frac"] <= 1.0
-        assert row["rollout/samples"] == 64  # 8 prompts x 8 samples, no padding: roll plot --x samples
-    assert (out / "model" / "config.json").is_file()
+# The disaggregated run also takes several PPO mini-batches and epochs (so old logprobs are computed)
+# and two reward workers: the multi-rank wiring of every role in one run.
+SEVERAL_UPDATES_AND_REWARD_WORKERS = [
+    "actor.mini_batch_size=32",
+    "actor.ppo_epochs=2",
+    "reward=math_verify",  # scored on reward workers (exact_match is scored in the controller)
+    "reward_world_size=2",
+    "eval.every_steps=2",
+]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("example", "colocated"), [("examples/colocated.yaml", True), ("examples/disaggregated.yaml", False)]
+    ("example", "colocated", "extra"),
+    [
+        ("examples/colocated.yaml", True, []),
+        ("examples/disaggregated.yaml", False, SEVERAL_UPDATES_AND_REWARD_WORKERS),
+    ],
+    ids=["colocated", "disaggregated"],
 )
-def test_device_mapped_examples_train(example, colocated, repo_root, tmp_path, ray_address):
+def test_device_mapped_examples_train(example, colocated, extra, repo_root, tmp_path, ray_address):
     """2 training ranks and 2 rollout workers on logical devices (the session Ray declares 4): colocated
-    roles offload between stages, disaggregated ones never do; weights travel over the transfer group."""
+    roles offload between stages, disaggregated ones never do; weights travel over the transfer group; a
+    reference shares the actor's devices. Placement, offload and the transfer group exist only in a whole
+    multi-rank run."""
     out = tmp_path / "run"
     roll_train(
         repo_root,
@@ -115,6 +104,7 @@ def test_device_mapped_examples_train(example, colocated, repo_root, tmp_path, r
         "tracking.backends=[jsonl]",
         "algorithm.kl_coef=0.05",  # a reference model on the actor's devices too
         "actor.micro_batch_tokens=64",
+        *extra,
         env={"RAY_ADDRESS": ray_address},
     )
     rows = [row for row in metrics(out) if "time/step_s" in row]
@@ -124,6 +114,14 @@ def test_device_mapped_examples_train(example, colocated, repo_root, tmp_path, r
         # Logical devices are CPU memory: offloading moves no bytes, but it must happen when colocated.
         assert ("offload/rollout_bytes" in row) == colocated
         assert ("offload/actor_bytes" in row) is True  # the reference and the actor share devices
+        assert row["actor/kl"] >= 0.0  # the reference ran
+        assert row["rollout/samples"] == 64  # 8 prompts x 8 samples, no padding: roll plot --x samples
+        if extra:
+            # Several updates per batch: old logprobs were computed and the ratio can clip.
+            assert row["time/logprobs_s"] > 0.0
+            assert 0.0 <= row["actor/clip_frac"] <= 1.0
+    if extra:
+        assert "eval/score" in rows[-1]
     assert (out / "model" / "config.json").is_file()
 
 
@@ -140,6 +138,8 @@ def strict_number(prompt, response, sample):
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["worker", "controller"])
 def test_a_failing_reward_exits_with_an_error_naming_where_it_failed(repo_root, tmp_path, ray_address, where):
+    """What the user sees on stderr, and the exit code, when the reward fails on a worker or in the
+    controller: needs the CLI process and a running pipeline."""
     # Rows have an answer, so they load; the reward then fails: the answer is no number.
     rows = tmp_path / "words.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"{i}+{i}", "answer": "many"}) + "\n" for i in range(16)))
@@ -191,38 +191,6 @@ def test_rows_missing_a_field_the_reward_reads_fail_at_load_naming_file_and_line
         returncode=2,
     )
     assert f"{rows}:2" in result.stderr and "'answer'" in result.stderr
-
-
-@pytest.mark.slow
-def test_a_reward_from_the_users_own_module_runs_on_the_workers(repo_root, tmp_path, ray_address):
-    # A module next to the user (the working directory), not installed anywhere.
-    (tmp_path / "my_rewards.py").write_text(
-        "from roll.rewards import REWARD_FUNCTIONS\n\n\n"
-        '@REWARD_FUNCTIONS.register("always_a_quarter")\n'
-        "def always_a_quarter(prompt, response, sample):\n"
-        "    return 0.25\n"
-    )
-    out = tmp_path / "run"
-    data = repo_root / "examples" / "data" / "addition"
-    roll_train(
-        repo_root,
-        str(repo_root / "examples" / "quickstart.yaml"),
-        f"output_dir={out}",
-        f"data.train_path={data / 'train.jsonl'}",
-        f"data.eval_path={data / 'eval.jsonl'}",
-        "imports=[my_rewards]",
-        "reward=always_a_quarter",
-        "eval_reward=exact_match",
-        "sft_warm_start=null",
-        "steps=2",
-        "eval.every_steps=0",
-        "eval.max_prompts=8",
-        "tracking.backends=[jsonl]",
-        env={"RAY_ADDRESS": ray_address},
-        cwd=tmp_path,
-    )
-    rows = [row for row in metrics(out) if "reward/mean" in row]
-    assert [row["reward/mean"] for row in rows] == [0.25, 0.25]
 
 
 @pytest.mark.slow

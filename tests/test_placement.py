@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -37,8 +39,9 @@ class PlacedWorker(Worker):
 
 @pytest.fixture(scope="module")
 def table(ray_session: None) -> Iterator[DeviceTable]:
-    """One table for the module: probing the bundles starts worker processes, so it is built once."""
-    table = DeviceTable.create(timeout_s=30)
+    """One table for the module: probing the bundles starts worker processes, so it is built once (with
+    minutes to spare: starting them takes that long on a busy machine)."""
+    table = DeviceTable.create(timeout_s=600)
     try:
         yield table
     finally:
@@ -178,17 +181,27 @@ def test_removed_table_cannot_place():
 # Two Ray nodes plus four torch-importing workers take about 20 s on a 2-core machine.
 @pytest.mark.slow
 def test_two_node_cluster_places_ranks_on_the_node_of_their_devices(repo_root: Path):
+    """Ranks land on the node that owns their devices across two Ray nodes: needs a two-node Ray cluster of
+    its own, started in a subprocess."""
     tests_dir = repo_root / "tests"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, not the session's
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tests_dir), env.get("PYTHONPATH")) if p)
-    result = subprocess.run(
-        [sys.executable, str(tests_dir / "multinode_placement_probe.py")],
-        env=env,
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    # Ray's test cluster records its address in <temp dir>/ray/ray_current_cluster, where any ray.init()
+    # without an address on this machine (a `roll train` of a test run beside this one) would find and
+    # join it, and die with it. A temp dir of its own keeps it to itself (short: Ray's socket paths
+    # must fit in 107 characters).
+    env["RAY_TMPDIR"] = ray_tmp = tempfile.mkdtemp(prefix="roll-probe-", dir="/tmp")
+    try:
+        result = subprocess.run(
+            [sys.executable, str(tests_dir / "multinode_placement_probe.py")],
+            env=env,
+            cwd=repo_root,
+            capture_output=True,
+            text=True,
+            timeout=900,  # about 20 s; only a hang comes near this
+        )
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     slots = [DeviceSlot(**s) for s in report["slots"]]

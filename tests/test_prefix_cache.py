@@ -394,6 +394,8 @@ def test_sampled_continuation_is_the_same_with_and_without_reuse(make_engine) ->
 @pytest.mark.slow  # a rollout worker of its own on Ray
 @pytest.mark.usefixtures("ray_session")
 def test_rollout_worker_reuses_prefixes_and_the_backend_releases_them(model_path: str) -> None:
+    """Prefix reuse through a real rollout worker and the Ray backend, and the release of an episode's
+    prefixes: the engine-level tests above cannot show the worker and backend wiring."""
     from roll.distributed.cluster import Cluster
     from roll.rollout import RayBackend, RolloutRouter
     from roll.rollout.backend import RewardDispatch

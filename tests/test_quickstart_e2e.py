@@ -17,6 +17,8 @@ from test_pipelines_cli import metrics
 
 @pytest.mark.slow
 def test_shortened_quickstart_runs_every_stage(quickstart_run):
+    """The quickstart through `roll train` (SFT warm start, then 30 GRPO steps) runs every stage, logs every
+    metric and writes its artifacts: the one end-to-end run of the README's command inside the suite."""
     output_dir, result = quickstart_run  # roll train examples/quickstart.yaml steps=30 eval.every_steps=15
 
     rows = metrics(output_dir)
@@ -42,5 +44,12 @@ def test_shortened_quickstart_runs_every_stage(quickstart_run):
         assert key in train_rows[-1], key
     assert (output_dir / "model" / "config.json").is_file()
     assert (output_dir / "sft" / "model" / "config.json").is_file()
+    # The SFT pipeline learns: the warm start's loss more than halves over its 250 steps (measured 2.98 ->
+    # 0.80) and its held-out score rises from 0 (a random model's) to about 0.15 (asked: +0.1).
+    sft_rows = metrics(output_dir / "sft")
+    losses = [row["sft/loss"] for row in sft_rows if "sft/loss" in row]
+    assert len(losses) == 250 and losses[-1] < 0.5 * losses[0], losses[::25]
+    sft_evals = [row["eval/score"] for row in sft_rows if "eval/score" in row]
+    assert sft_evals[-1] >= sft_evals[0] + 0.1, sft_evals
     assert (output_dir / "config.yaml").is_file()
     assert "before RL" in result.stdout

@@ -1,6 +1,6 @@
 """Exact resume: a run stopped after step k and resumed from its checkpoint logs the same metrics at every
-later step as the run that never stopped (CPU, fixed seeds), for RLVR with and without a critic and for
-SFT. Each step appears once in metrics.jsonl.
+later step as the run that never stopped (CPU, fixed seeds), for RLVR (PPO: actor
+and critic) and for SFT. Each step appears once in metrics.jsonl.
 
 The "stopped" run is the finished run's directory with everything after step k removed, as a crash right
 after the checkpoint of step k leaves it; it then resumes with ``resume="latest"``. The runs use the test
@@ -53,10 +53,12 @@ RLVR_RUN = (
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_session", "at_repo_root")
-@pytest.mark.parametrize(
-    "config", ["examples/quickstart.yaml", "examples/recipes/ppo.yaml"], ids=["grpo", "ppo"]
-)
-def test_rlvr_resumed_run_matches_the_uninterrupted_one(config: str, tmp_path: Path) -> None:
+def test_rlvr_resumed_run_matches_the_uninterrupted_one(tmp_path: Path) -> None:
+    """A PPO run (actor, critic, their optimizers, the warm start, the data order and RNGs) stopped after
+    step 3 and resumed from its checkpoint logs exactly what an uninterrupted run logs: full-state resume
+    is only visible across two whole runs. GRPO's state is PPO's without the critic, so one run covers
+    both."""
+    config = "examples/recipes/ppo.yaml"
     finished, stopped = tmp_path / "finished", tmp_path / "stopped"
     run_pipeline(load_config(config, [*RLVR_RUN, f"output_dir={finished}"]))
     crash_after(finished, stopped, 3)
@@ -66,8 +68,7 @@ def test_rlvr_resumed_run_matches_the_uninterrupted_one(config: str, tmp_path: P
     assert [row["step"] for row in got] == list(range(0, 7))
     assert comparable(got) == comparable(expected)
     assert any(row["actor/grad_norm"] > 0 for row in expected[4:]), "no update after the resume point"
-    if "ppo" in config:
-        assert "critic/loss" in got[-1]
+    assert "critic/loss" in got[-1]
     assert resumed["eval/score_after"] == expected[-1]["eval/score"]
     assert (stopped / "model" / "config.json").is_file()
     # The warm start was not run again: its metrics still end where the first run left them.
@@ -77,6 +78,8 @@ def test_rlvr_resumed_run_matches_the_uninterrupted_one(config: str, tmp_path: P
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_session", "at_repo_root")
 def test_sft_resumed_run_matches_the_uninterrupted_one(tmp_path: Path) -> None:
+    """The SFT pipeline's checkpoint resumes to the same metrics as an uninterrupted run: needs two whole
+    runs."""
     run = ("train.steps=8", "eval.every_steps=4", "eval.max_prompts=32", "checkpoint.every_steps=4")
     run += ("tracking.backends=[jsonl]",)
     finished, stopped = tmp_path / "finished", tmp_path / "stopped"

@@ -53,11 +53,14 @@ def make_scheduler(rollout, scorer, prompts, tokenizer, backend=None, **spec) ->
     return RolloutScheduler(backend, prompts, order, spec, PARAMS, tokenizer)
 
 
+@pytest.mark.slow  # four rollout workers and a reward worker: about 25 s
 def test_sync_scheduler_gives_the_batch_of_batch_generation_then_batch_scoring(
     tiny_model_path, prompts, tokenizer
 ):
     """Today's loop (generate the batch split over the workers, then score it) and the scheduler on fresh
-    workers with the same seed sample the same tokens and give the same rewards."""
+    workers with the same seed sample the same tokens and give the same rewards. Needs two rollout
+    clusters started from the same seed; the fast tier keeps the scheduler's other runs on Ray here and
+    its logic on fake backends (test_rollout_scheduler)."""
     rollout, scorer = start(tiny_model_path, 2)
     try:
         indices = PromptIterator(prompts.rows, 4, seed=1).next_indices()

@@ -3,7 +3,9 @@ SIGINT (Ctrl-C), and a worker frozen with SIGSTOP. Each ends with the convention
 that says what happened (and what was saved), valid metrics, and no Ray process of the run left behind.
 Workers killed with SIGKILL are recovered from within the run, and each step is logged once.
 
-The runs start their own local Ray (not the test session's), so its processes can be told apart."""
+The runs start their own local Ray (not the test session's), so its processes can be told apart. Every
+wait for a run has minutes to spare (a busy machine stretches a run several times over); where a time is
+asserted, it only tells the mechanism under test from the much later one that would act otherwise."""
 
 from __future__ import annotations
 
@@ -82,7 +84,7 @@ def start_run(repo_root: Path, output_dir: Path, *overrides: str) -> subprocess.
     )
 
 
-def wait_for_rows(path: Path, rows: int, run: subprocess.Popen, timeout_s: float = 180) -> None:
+def wait_for_rows(path: Path, rows: int, run: subprocess.Popen, timeout_s: float = 900) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert run.poll() is None, run.communicate()
@@ -93,8 +95,13 @@ def wait_for_rows(path: Path, rows: int, run: subprocess.Popen, timeout_s: float
     raise AssertionError(f"{path} did not reach {rows} rows in {timeout_s} s")
 
 
-def finish(run: subprocess.Popen, timeout_s: float = 60) -> tuple[int, str, str]:
-    stdout, stderr = run.communicate(timeout=timeout_s)
+def finish(run: subprocess.Popen, timeout_s: float = 300) -> tuple[int, str, str]:
+    try:
+        stdout, stderr = run.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        stdout, stderr = run.communicate()
+        raise AssertionError(f"the run did not end within {timeout_s} s:\n{stderr[-3000:]}") from None
     return run.returncode, stdout, stderr
 
 
@@ -105,7 +112,7 @@ def assert_valid_metrics(path: Path) -> list[dict]:
 
 
 def assert_nothing_left(ray_processes: dict[int, str]) -> None:
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 120
     alive = ray_processes
     while alive and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -138,6 +145,9 @@ def test_a_stop_signal_ends_the_run_cleanly(
     metrics_file: str,
     activity: str,
 ) -> None:
+    """SIGTERM during RL and SIGINT during the warm start end a real `roll train` with the conventional
+    exit code, one line saying what was saved, and no Ray process left; the resume command it names
+    continues the run. Needs a whole run with its own Ray."""
     out = tmp_path / "run"
     run = start_run(repo_root, out, *overrides)
     wait_for_rows(out / metrics_file, 5, run)
@@ -159,7 +169,7 @@ def test_a_stop_signal_ends_the_run_cleanly(
         # ... and the command it names continues the run: two more steps, each step logged once.
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         command = [sys.executable, "-m", "roll.cli", "resume", str(out), f"steps={rows[-1]['step'] + 2}"]
-        resumed = subprocess.run(command, cwd=repo_root, env=env, capture_output=True, text=True, timeout=300)
+        resumed = subprocess.run(command, cwd=repo_root, env=env, capture_output=True, text=True, timeout=900)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert f"resumed from {last} after step {rows[-1]['step']}" in resumed.stdout
         steps = [row["step"] for row in assert_valid_metrics(out / metrics_file)]
@@ -171,9 +181,15 @@ def test_a_stop_signal_ends_the_run_cleanly(
 
 @pytest.mark.slow
 def test_a_frozen_rollout_worker_ends_the_run_naming_it(repo_root: Path, tmp_path: Path) -> None:
+    """A rollout worker frozen with SIGSTOP in a running `roll train` ends the run at the liveness bound,
+    naming the worker, with valid metrics and no process left: needs a whole run to freeze a worker of."""
     out = tmp_path / "run"
-    # No recovery: the run must end, naming the frozen worker (recovery is tested below).
-    run = start_run(repo_root, out, *QUICK_RUN, "ray.liveness_timeout_s=3", "checkpoint.max_restarts=0")
+    # No recovery: the run must end, naming the frozen worker (recovery is tested below). The call the
+    # rollout worker freezes in could wait out its 900 s timeout: only the liveness bound ends it sooner.
+    # That bound also applies to every busy worker of the run (setting up, importing, training while
+    # other processes take the cores): 10 s is far above how long a busy one leaves a heartbeat waiting.
+    overrides = ("ray.liveness_timeout_s=10", "ray.call_timeout_s=900", "checkpoint.max_restarts=0")
+    run = start_run(repo_root, out, *QUICK_RUN, *overrides)
     wait_for_rows(out / "metrics.jsonl", 5, run)
     ray_processes = run_processes(run.pid)
     (rollout,) = [pid for pid, cmd in ray_processes.items() if cmd.startswith("ray::RolloutWorker")]
@@ -185,9 +201,10 @@ def test_a_frozen_rollout_worker_ends_the_run_naming_it(repo_root: Path, tmp_pat
         os.kill(rollout, signal.SIGCONT) if rollout in processes() else None
     assert code == 1, stderr
     assert "rollout rank 0 failed in" in stderr and "stopped answering" in stderr, stderr
-    # Noticed within 4/3 of the 3 s bound plus a poll, then released: the frozen rank is killed without
-    # being asked, the actor blocked in the weight broadcast to it gets 10 s to shut down.
-    assert time.monotonic() - stopped < 4 + 25
+    # Noticed within 4/3 of the 10 s bound plus a poll, then released (the frozen rank is killed without
+    # being asked, the actor blocked in the weight broadcast to it gets 10 s to shut down): well under a
+    # minute, and far below the 900 s of the call it froze in.
+    assert time.monotonic() - stopped < 300
     assert_valid_metrics(out / "metrics.jsonl")
     assert_nothing_left(ray_processes)
 
@@ -212,7 +229,7 @@ def test_killed_workers_of_every_role_are_recovered_without_losing_a_step(
         wait_for_rows(out / "metrics.jsonl", rows, run)
         (pid,) = [p for p, cmd in run_processes(run.pid).items() if cmd.startswith(f"ray::{role}")]
         os.kill(pid, signal.SIGKILL)
-    code, stdout, stderr = finish(run, timeout_s=300)
+    code, stdout, stderr = finish(run, timeout_s=1800)
     assert code == 0, stderr[-3000:]
     rows = assert_valid_metrics(out / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(1, steps + 1))

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 from roll.distributed.dispatch import Dispatch
@@ -192,6 +193,9 @@ def _our_segments() -> set[str]:
 @pytest.mark.slow  # a trainer and a rollout worker of its own: about 20 s
 @pytest.mark.usefixtures("ray_session")
 def test_weight_sync_on_one_node_goes_through_shared_memory_or_falls_back(tiny_model_path, tmp_path):
+    """Actor and rollout workers on one node exchange weights through shared memory, or over the collective
+    when the shared-memory folder is missing, and the rollout then matches the trainer: needs both
+    roles' worker processes."""
     from types import SimpleNamespace
 
     from roll.distributed.cluster import Cluster, wait_all
@@ -208,7 +212,7 @@ def test_weight_sync_on_one_node_goes_through_shared_memory_or_falls_back(tiny_m
     rollout = Cluster("rollout", RolloutWorker, 2, SimpleNamespace(model=model))
     try:
         wait_all(actor.setup(blocking=False), rollout.setup(blocking=False))
-        shm = WeightSync(actor, rollout, bucket_bytes=4096, timeout_s=30)
+        shm = WeightSync(actor, rollout, bucket_bytes=4096, timeout_s=120)
         shm.connect()
         assert shm.path == SHM and shm.path_name == "shm"
         assert _our_segments() == before, "the segment's name must be gone once every end mapped it"
@@ -228,7 +232,8 @@ def test_weight_sync_on_one_node_goes_through_shared_memory_or_falls_back(tiny_m
             shm.sync(version=2)
 
         # A shared-memory directory that is not there has no room: the collective path, with the reason.
-        fallback = WeightSync(actor, rollout, bucket_bytes=4096, timeout_s=30, shm_dir=str(tmp_path / "none"))
+        nowhere = str(tmp_path / "none")
+        fallback = WeightSync(actor, rollout, bucket_bytes=4096, timeout_s=120, shm_dir=nowhere)
         fallback.connect()
         assert fallback.path == COLLECTIVE and "0 MiB free" in fallback.reason
         assert fallback.sync(version=3)["path"] == "gloo"
@@ -249,13 +254,15 @@ class StuckSharedRolloutWorker(RolloutWorker):
     @register(Dispatch.ONE_TO_ALL)
     def load_shared_weights(self, version: int) -> dict[str, float]:
         if self.rank == 1:
-            time.sleep(60)
+            time.sleep(600)  # for good: the test kills this rank
         return super().load_shared_weights(version)
 
 
 @pytest.mark.slow  # waits out the transfer timeout
 @pytest.mark.usefixtures("ray_session")
 def test_a_stuck_receiver_is_a_timeout_naming_it_not_a_hang(tiny_model_path):
+    """A rollout rank that never loads its shared-memory weights makes the transfer time out naming it,
+    instead of hanging: needs real worker processes, one of them stuck."""
     from types import SimpleNamespace
 
     from roll.distributed.cluster import Cluster, wait_all
@@ -269,16 +276,22 @@ def test_a_stuck_receiver_is_a_timeout_naming_it_not_a_hang(tiny_model_path):
     rollout = Cluster("rollout", StuckSharedRolloutWorker, 2, SimpleNamespace(model=model))
     try:
         wait_all(actor.setup(blocking=False), rollout.setup(blocking=False))
-        sync = WeightSync(actor, rollout, bucket_bytes=1 << 20, timeout_s=2)
+        # Connecting with a roomy timeout (every rank must map the segment, however busy the machine);
+        # only the transfer under test gets the short one.
+        sync = WeightSync(actor, rollout, bucket_bytes=1 << 20, timeout_s=120)
         sync.connect()
         assert sync.path == SHM
+        sync.timeout_s = 2
         start = time.monotonic()
         with pytest.raises(WeightSyncError) as error:
             sync.sync(version=1)
-        assert time.monotonic() - start < 20, "the timeout must end the transfer, not a hang"
+        # The transfer gives up within about 1.5 x 2 s + 10 s: far below rank 1's 600 s sleep.
+        assert time.monotonic() - start < 60, "the timeout must end the transfer, not a hang"
         message = str(error.value)
         assert "loading weights version 1 from shared memory" in message and "from actor rank 0" in message
         assert "rollout rank 1 did not answer" in message and "(shared memory)" in message
     finally:
+        # Rank 1 sleeps on purpose: asked to shut down, it would hold kill() up for the full 10 s bound.
+        ray.kill(rollout.workers[1])
         actor.kill()
         rollout.kill()

@@ -7,6 +7,7 @@ import json
 import time
 
 import pytest
+import ray
 import torch
 
 from roll.data.batch import Batch
@@ -83,7 +84,7 @@ def test_weight_transfer_makes_rollout_match_trainer(tiny_model_path, prompts):
     rollout = Cluster("rollout", RolloutWorker, 2, Holder(ModelSpec(path=tiny_model_path)))
     try:
         wait_all(setup_trainer(actor, blocking=False), rollout.setup(blocking=False))
-        sync = WeightSync(actor, rollout, bucket_bytes=4096, timeout_s=30)
+        sync = WeightSync(actor, rollout, bucket_bytes=4096, timeout_s=120)
         sync.connect()
         assert len(sync.plan) > 3, "small buckets: the transfer must span several"
         batch = sampled_batch(rollout, prompts, tokenizer.pad_token_id)
@@ -107,9 +108,9 @@ def test_weight_transfer_makes_rollout_match_trainer(tiny_model_path, prompts):
 def collect_from(rollout: Cluster, rank: int, count: int) -> dict[str, GenerateResult]:
     """``collect_finished`` on one rank until ``count`` results are in, none of them twice."""
     results: dict[str, GenerateResult] = {}
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300
     while len(results) < count and time.monotonic() < deadline:
-        for result in rollout.call_rank(rank, "collect_finished", 5.0, timeout_s=30):
+        for result in rollout.call_rank(rank, "collect_finished", 5.0, timeout_s=120):
             assert result.request_id not in results, f"{result.request_id} delivered twice"
             results[result.request_id] = result
     assert len(results) == count, f"only {sorted(results)} finished"
@@ -134,13 +135,21 @@ def test_rollout_worker_serves_groups_on_one_rank_with_version_zero(tiny_model_p
             assert result.weight_versions == [0] * len(result.token_ids) and result.token_ids
 
         # One slot: "running" decodes while "waiting" is queued behind it. Greedy, this prompt meets no
-        # EOS, so "running" goes on for 1000 steps (seconds), far longer than the aborts take to arrive.
-        long = SamplingParams(max_new_tokens=1000, greedy=True)
+        # EOS, so "running" would go on for 100,000 steps (many minutes), far longer than the aborts take
+        # to arrive however busy the machine.
+        long = SamplingParams(max_new_tokens=100_000, greedy=True)
+        prefilled = rollout.call_rank(0, "prefix_stats")["prefill_tokens"]
         rollout.call_rank(
             0,
             "submit_many",
             [GenerateRequest(name, prompts.token_ids[1], long) for name in ("running", "waiting")],
         )
+        # Once its prompt is prefilled "running" is in the batch: aborted from then on, it keeps the
+        # token of the step in progress (aborted before, it would end with none, like "waiting").
+        deadline = time.monotonic() + 300
+        while rollout.call_rank(0, "prefix_stats")["prefill_tokens"] == prefilled:
+            assert time.monotonic() < deadline, '"running" was never admitted'
+            time.sleep(0.01)
         assert rollout.call_rank(0, "abort_many", ["waiting", "never-submitted"]) == [True, False]
         aborted_running = rollout.call_rank(0, "abort_many", ["running"])
         results = collect_from(rollout, 0, 2)
@@ -159,28 +168,36 @@ class StuckRolloutWorker(RolloutWorker):
     @register(Dispatch.ONE_TO_ALL)
     def receive_weights(self, plan: list, version: int, timeout_s: float) -> dict[str, float]:
         if self.rank == 1:
-            time.sleep(60)
+            time.sleep(600)  # for good: the test kills this rank
         return super().receive_weights(plan, version, timeout_s)
 
 
 @pytest.mark.slow  # waits out the transfer timeout
 def test_stuck_rollout_worker_makes_weight_transfer_time_out(tiny_model_path):
+    """A rollout rank stuck in its gloo receive makes the collective weight transfer time out naming the
+    rank: needs real worker processes in a transfer group, one of them stuck."""
     actor = Cluster("actor", ActorWorker, 1, actor_spec(tiny_model_path))
     rollout = Cluster("rollout", StuckRolloutWorker, 2, Holder(ModelSpec(path=tiny_model_path)))
     try:
         wait_all(actor.setup(blocking=False), rollout.setup(blocking=False))
         # The collective path: this worker is stuck in its gloo receive (test_shm_weight_sync.py covers
         # the shared-memory one, which same-node workers take by default).
-        sync = WeightSync(actor, rollout, bucket_bytes=1 << 20, timeout_s=2, transport="collective")
+        # Joining the group with a roomy timeout (every rank must arrive, however busy the machine); only
+        # the transfer under test gets the short one.
+        sync = WeightSync(actor, rollout, bucket_bytes=1 << 20, timeout_s=120, transport="collective")
         sync.connect()
+        sync.timeout_s = 2
         start = time.monotonic()
         with pytest.raises(WeightSyncError) as error:
             sync.sync(version=1)
-        assert time.monotonic() - start < 20, "the timeout must end the transfer, not a hang"
+        # The transfer gives up within about 1.5 x 2 s + 10 s: far below rank 1's 600 s sleep.
+        assert time.monotonic() - start < 60, "the timeout must end the transfer, not a hang"
         message = str(error.value)
         assert "version 1" in message and "from actor rank 0" in message
         assert "rollout rank 1 did not answer" in message
     finally:
+        # Rank 1 sleeps on purpose: asked to shut down, it would hold kill() up for the full 10 s bound.
+        ray.kill(rollout.workers[1])
         actor.kill()
         rollout.kill()
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,9 @@ from roll.distributed.errors import WorkerUnresponsiveError
 HEALTH_GROUP = "health"
 # How often a waiting call wakes up to look at heartbeats and progress, in seconds.
 POLL_S = 1.0
+# What a watch reads the time from (its start, each poll). Tests replace it to step a watch through time
+# at a pace of their own, independent of how busy the machine is.
+clock: Callable[[], float] = time.monotonic
 
 logger = logging.getLogger("roll")
 
@@ -85,7 +88,7 @@ class RankWatch:
 
     def __init__(self, ranks: Sequence[WatchedRank], liveness: Liveness):
         self.liveness = liveness
-        self.started = time.monotonic()
+        self.started = clock()
         self._ranks = {(r.role, r.rank): r for r in ranks}
         self._next_progress = self.started + liveness.progress_every_s
         # Heartbeats start, and repeat, after a third of the timeout: short calls send none.
@@ -107,7 +110,7 @@ class RankWatch:
 
     def poll(self, pending: Iterable[tuple[str, int]]) -> None:
         """Collect heartbeats, send new ones, raise for a frozen rank, log progress when due."""
-        now = time.monotonic()
+        now = clock()
         waiting = [self._ranks[key] for key in pending]
         if self.liveness.timeout_s > 0:
             for watched in waiting:

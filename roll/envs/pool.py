@@ -170,8 +170,9 @@ class EnvPool:
             finally:
                 done.set()
 
-        threading.Thread(target=run, name=f"env-{self.name}-{episode_id}", daemon=True).start()
-        if not done.wait(self.step_timeout_s):
+        thread = threading.Thread(target=run, name=f"env-{self.name}-{episode_id}", daemon=True)
+        thread.start()
+        if not self._wait(thread, done):
             return EnvResult(episode_id), (TIMEOUT, f"timed out after {self.step_timeout_s} s")
         if "error" in box:
             error = box["error"]
@@ -183,6 +184,12 @@ class EnvPool:
         return EnvResult(
             episode_id, OK, observation, float(reward), bool(terminated), bool(truncated), dict(info)
         ), None
+
+    def _wait(self, thread: threading.Thread, done: threading.Event) -> bool:
+        """Whether the env call running on ``thread`` ended (``done``) within ``step_timeout_s``. Tests
+        override it to time out the calls of envs they made hang at once, and give the others all the
+        time they need."""
+        return done.wait(self.step_timeout_s)
 
     def _failed(self, episode_id: str, failure: tuple[str, str]) -> EnvResult:
         status, message = failure

@@ -350,9 +350,9 @@ def code_tests(
     if not isinstance(prefix, str):
         raise ValueError(f"reward 'code_tests': 'code_prefix' must be a string, got {prefix!r:.200}")
     program = prefix + extract_program(response)
-    limits = SandboxLimits(
-        timeout_s=float(timeout_s), cpu_s=max(1, math.ceil(timeout_s)), memory_mb=memory_mb
-    )
+    # The CPU limit sits a second past the wall-clock timeout: an endless loop is then always reported
+    # as a timeout (reward/code/timeout), never as a crash from whichever limit fired first.
+    limits = SandboxLimits(timeout_s=float(timeout_s), cpu_s=math.ceil(timeout_s) + 1, memory_mb=memory_mb)
     runs: list[SandboxResult] = []
 
     calls = [c for c in cases if isinstance(c, CallCase)]
