@@ -39,6 +39,7 @@ def ray_session() -> Iterator[None]:
             from roll.distributed.ray_utils import worker_runtime_env
 
             ray.init(
+                address="local",  # never a cluster another program recorded on this machine
                 num_cpus=2,
                 num_gpus=4,
                 include_dashboard=False,

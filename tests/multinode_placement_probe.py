@@ -43,7 +43,7 @@ def main() -> None:
         ray_cluster.add_node(num_cpus=2, num_gpus=2)
         ray.init(address=ray_cluster.address, logging_level=logging.WARNING)
         ray_cluster.wait_for_nodes()
-        table = DeviceTable.create(timeout_s=60)
+        table = DeviceTable.create(timeout_s=600)  # actor start-up takes minutes on a busy machine
         try:
             role = role_devices("actor", [0, 1, 2, 3])
             placements = place_role(role, table)

@@ -148,8 +148,8 @@ def test_with_liveness_off_a_frozen_worker_is_only_caught_by_the_call_timeout(
     cluster = Cluster("napper", NappingWorker, 1, None, liveness=Liveness(0, 0))
     pid = None
     try:
-        # Starting the actor takes seconds on a busy machine: wait for it with a roomy bound, so that
-        # the short timeout below measures only the call under test.
+        # Starting the actor takes minutes on a busy machine: wait for it with the default 900 s, so
+        # that the short timeout below measures only the call under test.
         cluster.nap(0)
         pid = worker_pid(cluster)
         monkeypatch.setattr(cluster, "timeout_s", 4)
