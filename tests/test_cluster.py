@@ -23,6 +23,7 @@ from roll.distributed.cluster import (
     ClusterFuture,
     WorkerError,
     WorkerTimeoutError,
+    kill_actors,
     wait_all,
     wait_any,
 )
@@ -151,16 +152,7 @@ def kill_without_asking(cluster: Cluster) -> None:
     """End the cluster's actors and wait until they are gone. Not ``Cluster.kill()`` (tested by
     test_kill_ends_the_actors), which first asks every rank to shut down: a rank a test left sleeping or
     hanging answers only when it wakes, seconds per test, and these workers hold nothing to release."""
-    for worker in cluster.workers:
-        ray.kill(worker)
-    deadline = time.monotonic() + 10.0
-    for worker in cluster.workers:
-        while time.monotonic() < deadline:
-            try:
-                ray.get(worker.ping.remote(), timeout=1.0)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                break
-            time.sleep(0.05)
+    kill_actors(cluster.workers)
 
 
 @pytest.fixture(scope="module")

@@ -251,18 +251,7 @@ class Cluster:
             wait_for_ranks(refs, self.role, "shutdown", 10.0, answering)
         except WorkerError:
             pass  # a worker that cannot shut down cleanly is killed below all the same
-        for worker in self.workers:
-            ray.kill(worker)
-        # ray.kill only requests the end; wait until each actor is really gone so the caller can
-        # count on it (its resources free, later calls failing) once kill() returns.
-        deadline = time.monotonic() + 10.0
-        for worker in self.workers:
-            while time.monotonic() < deadline:
-                try:
-                    ray.get(worker.ping.remote(), timeout=1.0)
-                except (RayActorError, GetTimeoutError):
-                    break
-                time.sleep(0.05)
+        kill_actors(self.workers)
 
     def __repr__(self) -> str:
         return f"Cluster(role={self.role!r}, world_size={self.world_size}, methods={sorted(self._methods)})"
@@ -287,6 +276,22 @@ def caller_signature(method: Callable[..., Any]) -> inspect.Signature:
 def wait_all(*futures: ClusterFuture) -> list[Any]:
     """Wait for several clusters' calls that run at the same time (e.g. setup of every role)."""
     return [f.get() for f in futures]
+
+
+def kill_actors(workers: Sequence[Any]) -> None:
+    """End the actors without asking them anything, and wait (up to 10 s) until each is gone."""
+    for worker in workers:
+        ray.kill(worker)
+    # ray.kill only requests the end; wait until each actor is really gone so the caller can count on
+    # it (its resources free, later calls failing) once this returns.
+    deadline = time.monotonic() + 10.0
+    for worker in workers:
+        while time.monotonic() < deadline:
+            try:
+                ray.get(worker.ping.remote(), timeout=1.0)
+            except (RayActorError, GetTimeoutError):
+                break
+            time.sleep(0.05)
 
 
 def wait_any(futures: Sequence[ClusterFuture], timeout_s: float) -> list[ClusterFuture]:
