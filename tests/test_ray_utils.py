@@ -29,7 +29,7 @@ def test_init_ray_is_a_no_op_when_ray_is_already_running(monkeypatch):
         ("10.0.0.5:6379", None, "10.0.0.5:6379"),  # the config wins
         ("10.0.0.5:6379", "10.0.0.9:6379", "10.0.0.5:6379"),
         (None, "10.0.0.9:6379", "10.0.0.9:6379"),  # RAY_ADDRESS when the config has none
-        (None, None, None),  # neither: start a local Ray
+        (None, None, "local"),  # neither: start a Ray of its own, never one recorded on the machine
     ],
 )
 def test_init_ray_joins_the_configured_cluster_or_starts_a_local_one(
@@ -46,7 +46,7 @@ def test_init_ray_joins_the_configured_cluster_or_starts_a_local_one(
     assert len(calls) == 1
     assert calls[0].get("address") == expected
     # A local Ray gets the configured CPU count; joining leaves the cluster's resources alone.
-    assert ("num_cpus" in calls[0]) == (expected is None)
+    assert ("num_cpus" in calls[0]) == (expected == "local")
 
 
 @ray.remote(num_cpus=0)

@@ -31,8 +31,9 @@ def init_ray(cfg: RayConfig) -> None:
     else:
         # "local": a Ray of this run's own. Without an address ray.init() would join whatever cluster
         # `ray start` (or another program) last recorded on this machine, and die with it.
-        own = {"address": "local", "num_cpus": cfg.num_cpus, "num_gpus": cfg.num_gpus}
-        ray.init(**own, include_dashboard=False, **common)
+        ray.init(
+            address="local", num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False, **common
+        )
     # Ray's core worker has just replaced the SIGTERM handler with one that dumps a stack and aborts.
     signals.reinstall()
 
