@@ -163,6 +163,34 @@ def _can_create_in(directory: Path) -> bool:
     return True
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """On each of pytest-xdist's processes, torch (and any ``roll train`` or benchmark it starts) uses its
+    share of the cores: two processes of two threads each on 2 cores spent the fast tier's time handing
+    cores back and forth (4:10 against 3:41 with one thread each). Worker processes set their own count."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+# Tests that share the quickstart's run (a session fixture of about a minute) stay on one test process.
+QUICKSTART_GROUP = "quickstart_run"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With pytest-xdist (``-n 2 --dist loadgroup``, the README's commands), each test module runs on one
+    process, so module-scoped clusters and engines are made once; the tests that use the quickstart's
+    run form one group of their own, so that session fixture is made once rather than on both processes."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        group = QUICKSTART_GROUP if QUICKSTART_GROUP in item.fixturenames else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 # A test over this many seconds belongs to the slow tier (README, "Tests"): the fast tier must stay
 # within 5 minutes. Reported at the end of the run, not failed: a busy machine stretches any test.
 SLOW_TEST_S = 60.0

@@ -44,7 +44,7 @@ def test_round_trip_keeps_spaces_and_digits() -> None:
     ids = tokenizer(text)["input_ids"]
     assert len(ids) == len(text)
     assert tokenizer.decode(ids) == text
-    assert tokenizer.convert_tokens_to_ids(" ") != tokenizer.unk_token_id
+    assert len(tokenizer(" ")["input_ids"]) == 1 and tokenizer(" ")["input_ids"] != [tokenizer.unk_token_id]
 
 
 def test_no_special_tokens_added_automatically() -> None:
@@ -65,9 +65,13 @@ def test_special_tokens_are_single_ids() -> None:
     assert tokenizer.unk_token == "<|unk|>"
 
 
-def test_unknown_characters_map_to_unk() -> None:
+def test_characters_outside_the_alphabet_are_dropped_and_named_by_the_data_check() -> None:
+    """As a Qwen2 tokenizer drops bytes its vocabulary lacks (the data check refuses such rows)."""
+    from roll.data.prompts import unknown_pieces
+
     tokenizer = build_char_tokenizer(ALPHABET)
-    assert tokenizer("1x")["input_ids"] == [tokenizer.convert_tokens_to_ids("1"), tokenizer.unk_token_id]
+    assert tokenizer("1x")["input_ids"] == [tokenizer.convert_tokens_to_ids("1")]
+    assert unknown_pieces(tokenizer, ["1x2", "12"]) == [["x"], []]
 
 
 def test_skip_special_tokens_on_decode() -> None:

@@ -298,6 +298,26 @@ def test_a_missing_extra_is_refused_at_load_naming_the_extra(monkeypatch: pytest
     assert "mlflow" not in message
 
 
+def test_an_mlflow_file_store_is_refused_at_load_naming_the_fix(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE is true: refused at load, in one line."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path}/mlruns")
+    with pytest.raises(ConfigError) as info:
+        load_config(QUICKSTART, ["tracking.backends=[console,mlflow]"])
+    assert f"MLFLOW_TRACKING_URI: 'file://{tmp_path}/mlruns' is an MLflow file store" in str(info.value)
+    assert "sqlite:///mlflow.db" in str(info.value) and "MLFLOW_ALLOW_FILE_STORE=true" in str(info.value)
+    with pytest.raises(ConfigError, match="tracking.mlflow.tracking_uri: 'mlruns' is an MLflow file store"):
+        load_config(QUICKSTART, ["tracking.backends=[mlflow]", "tracking.mlflow.tracking_uri=mlruns"])
+    # A database store, or the opt-out, loads.
+    load_config(
+        QUICKSTART, ["tracking.backends=[mlflow]", f"tracking.mlflow.tracking_uri=sqlite:///{tmp_path}/m.db"]
+    )
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    load_config(QUICKSTART, ["tracking.backends=[console,mlflow]"])
+
+
 def test_import_extra_names_the_extra() -> None:
     with pytest.raises(ImportError, match=r"pip install 'roll-rl\[some_extra\]'"):
         import_extra("roll_no_such_module", "some_extra")

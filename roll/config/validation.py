@@ -6,7 +6,9 @@ losses, rewards) are checked too; that imports the pure algorithm modules, which
 
 from __future__ import annotations
 
+import os
 import re
+import urllib.parse
 from pathlib import Path
 
 from roll.config.agentic import DEFAULT_STOP_POLICY, STOP_POLICIES, AgenticConfig
@@ -120,6 +122,8 @@ def check_tracking(tracking: TrackingConfig) -> list[str]:
                 f"tracking.backends: '{name}' needs the {extra} package: {install_hint(extra)} "
                 f"(or remove {name} from tracking.backends)"
             )
+    if "mlflow" in tracking.backends:
+        problems += check_mlflow_store(tracking.mlflow.tracking_uri)
     # A backend's own options with the backend off would be read by nothing: most likely a forgotten backend.
     for name in ("wandb", "mlflow"):
         section, defaults = getattr(tracking, name), type(getattr(tracking, name))()
@@ -134,6 +138,22 @@ def check_tracking(tracking: TrackingConfig) -> list[str]:
                 "tracking.backends or remove these keys"
             )
     return problems
+
+
+def check_mlflow_store(tracking_uri: str | None) -> list[str]:
+    """MLflow 3 refuses a file store (``file:///...`` or a plain path) unless ``MLFLOW_ALLOW_FILE_STORE``
+    is true: say so before the run starts instead of ending in MLflow's traceback after it has."""
+    key = "tracking.mlflow.tracking_uri"
+    if tracking_uri is None:
+        key, tracking_uri = "MLFLOW_TRACKING_URI", os.environ.get("MLFLOW_TRACKING_URI")
+    if not tracking_uri or os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1"):
+        return []
+    if urllib.parse.urlparse(tracking_uri).scheme not in ("", "file"):  # a database or a server
+        return []
+    return [
+        f"{key}: '{tracking_uri}' is an MLflow file store, which MLflow 3 refuses; use a database store "
+        "(e.g. sqlite:///mlflow.db) or a server (http://host:5000), or set MLFLOW_ALLOW_FILE_STORE=true"
+    ]
 
 
 def check_common(cfg: RLVRConfig | SFTConfig) -> list[str]:

@@ -79,24 +79,35 @@ def render_prompt(tokenizer: Any, prompt: str | Messages, apply_chat_template: b
 
 
 def unknown_pieces(tokenizer: Any, texts: list[str]) -> list[list[str]]:
-    """For each text, the pieces that ``tokenizer`` can only encode as its unknown token (none for
-    tokenizers without one, such as byte-level BPE, which represent any text). One batched call."""
+    """For each text, the characters that ``tokenizer`` cannot encode: those it turns into its unknown
+    token and those it drops (a BPE whose vocabulary lacks some bytes, as the tiny models' character
+    tokenizer, drops characters outside its alphabet). None for tokenizers that represent any text, as a
+    byte-level BPE with every byte does. One batched call, then one per distinct character of a text that
+    does not decode back to itself (offsets cannot say: a dropped byte shifts the offsets after it)."""
+    if not texts:
+        return []
     unk = tokenizer.unk_token_id
-    if unk is None or not texts:
-        return [[] for _ in texts]
-    encoded = tokenizer(
-        texts, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast, verbose=False
+    encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    decoded = tokenizer.batch_decode(encoded, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    specials = sorted(
+        set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()), key=len, reverse=True
     )
-    offsets = encoded.get("offset_mapping") or [None] * len(texts)
+    encodable: dict[str, bool] = {}
+
+    def can_encode(char: str) -> bool:
+        if char not in encodable:
+            ids = tokenizer(char, add_special_tokens=False, verbose=False)["input_ids"]
+            encodable[char] = bool(ids) and unk not in ids
+        return encodable[char]
+
     pieces = []
-    for text, ids, spans in zip(texts, encoded["input_ids"], offsets, strict=True):
-        if unk not in ids:
+    for text, ids, back in zip(texts, encoded, decoded, strict=True):
+        if back == text and (unk is None or unk not in ids):
             pieces.append([])
-        elif spans is None:  # a slow tokenizer has no offsets: name the token instead
-            pieces.append([tokenizer.unk_token])
-        else:
-            found = (text[start:end] for token, (start, end) in zip(ids, spans, strict=True) if token == unk)
-            pieces.append(list(dict.fromkeys(found)))
+            continue
+        for special in specials:
+            text = text.replace(special, "")
+        pieces.append([char for char in dict.fromkeys(text) if not can_encode(char)])
     return pieces
 
 
@@ -109,8 +120,8 @@ def check_representable(tokenizer: Any, texts: list[str], wheres: list[str], fie
             pieces = ", ".join(map(repr, unknown))
             raise DatasetError(
                 f"{where}: field '{field}' has characters the tokenizer does not know ({pieces}), which "
-                f"would become {tokenizer.unk_token}; remove them from the data, or with a tiny model add "
-                "them to model.tiny.alphabet"
+                "would be lost (or become the unknown token); remove them from the data, or with a tiny "
+                "model add them to model.tiny.alphabet"
             )
 
 

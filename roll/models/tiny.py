@@ -25,6 +25,8 @@ if TYPE_CHECKING:  # torch and transformers load in seconds: only building a mod
 TINY_CONFIG_FILE = "roll_tiny_config.json"
 # Where a pipeline builds its tiny model, inside the run's output directory.
 TINY_MODEL_DIR = "tiny_model"
+# The class transformers' AutoTokenizer builds for a Qwen2 directory, which the tokenizer is built as.
+TOKENIZER_CLASS = "Qwen2Tokenizer"
 
 
 def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase) -> Qwen2ForCausalLM:
@@ -74,9 +76,21 @@ def _stored_config(path: Path) -> dict | None:
         return None
 
 
+def _saved_tokenizer_class(path: Path) -> str | None:
+    try:
+        return json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _is_built_from(path: Path, cfg: TinyModelConfig) -> bool:
-    """True when ``path`` holds a complete tiny model saved from exactly ``cfg``."""
-    return _stored_config(path) == _config_json(cfg) and (path / "config.json").is_file()
+    """True when ``path`` holds a complete tiny model saved from exactly ``cfg``, with the tokenizer this
+    version builds (older builds saved a character tokenizer that transformers loads without newlines)."""
+    return (
+        _stored_config(path) == _config_json(cfg)
+        and (path / "config.json").is_file()
+        and _saved_tokenizer_class(path) == TOKENIZER_CLASS
+    )
 
 
 def check_replaceable(path: Path) -> None:

@@ -1,13 +1,21 @@
-"""A character-level tokenizer built locally (no hub download) for tiny test and demo models.
+"""Tokenizers built locally (no hub download) for tiny test and demo models.
 
-Every character of the alphabet is one token, so arithmetic prompts such as ``"12 + 3"`` map to
-predictable ids and a few-thousand-parameter model can learn them on a CPU in seconds.
+Both are ``Qwen2Tokenizer``s: the tiny models are Qwen2, and for a Qwen2 model directory
+``AutoTokenizer.from_pretrained`` always builds a ``Qwen2Tokenizer`` from the saved vocabulary and merges,
+with Qwen2's own normalizer, split regex and byte-level pre-tokenizer, whatever ``tokenizer.json`` and
+``tokenizer_config.json`` say. A tokenizer of another pipeline would be saved as one thing and loaded (by
+us, plain transformers or vLLM) as another: a character tokenizer saved that way lost every newline.
+Built as the class that loads, the tokenizer in memory and the one read back encode alike.
+
+The character tokenizer makes every character of its alphabet one token, so arithmetic prompts such as
+``"12 + 3"`` map to predictable ids and a few-thousand-parameter model can learn them on a CPU in seconds.
 """
 
 from __future__ import annotations
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import Qwen2Tokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|eos|>"
@@ -46,49 +54,63 @@ CHAT_TEMPLATE = (
 DEFAULT_MODEL_MAX_LENGTH = 2048
 
 
-def _vocab(alphabet: str) -> dict[str, int]:
-    """Special tokens first, then each distinct alphabet character in order of first appearance."""
+def _byte_symbols(text: str) -> str:
+    """``text`` as the byte-level pre-tokenizer writes it: one printable symbol per UTF-8 byte
+    (``" "`` -> ``"Ġ"``, ``"\\n"`` -> ``"Ċ"``; other printable ASCII stays as is)."""
+    symbol_of_byte = bytes_to_unicode()
+    return "".join(symbol_of_byte[byte] for byte in text.encode("utf-8"))
+
+
+def _char_vocab_and_merges(alphabet: str) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Special tokens first, then each distinct alphabet character (as its byte symbols) in order of first
+    appearance; then, for characters of several UTF-8 bytes, their bytes and the merges that join them
+    back into one token."""
     vocab: dict[str, int] = {}
-    for token in [*SPECIAL_TOKENS.values(), *alphabet]:
+    for token in [*SPECIAL_TOKENS.values(), *(_byte_symbols(char) for char in dict.fromkeys(alphabet))]:
         vocab.setdefault(token, len(vocab))
-    return vocab
+    merges: list[tuple[str, str]] = []
+    for char in dict.fromkeys(alphabet):
+        symbols = _byte_symbols(char)
+        for symbol in symbols:
+            vocab.setdefault(symbol, len(vocab))
+        for end in range(2, len(symbols) + 1):  # left to right: (b0, b1), (b0b1, b2), ...
+            merges.append((symbols[: end - 1], symbols[end - 1]))
+            vocab.setdefault(symbols[:end], len(vocab))
+    return vocab, list(dict.fromkeys(merges))  # characters that share leading bytes share merges
 
 
-def _backend(alphabet: str) -> Tokenizer:
-    """The raw `tokenizers` pipeline: split into single characters, look each up, fuse on decode."""
-    backend = Tokenizer(models.WordLevel(_vocab(alphabet), unk_token=UNK_TOKEN))
-    # `[\s\S]` (not `.`) so that newlines are characters too; each match becomes its own word.
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    # Fuse concatenates tokens with no separator; the default decoder would insert spaces.
-    backend.decoder = decoders.Fuse()
-    # Registered as special so they are matched as whole strings before character splitting.
-    backend.add_special_tokens(list(SPECIAL_TOKENS.values()))
-    return backend
-
-
-def build_char_tokenizer(
-    alphabet: str, model_max_length: int = DEFAULT_MODEL_MAX_LENGTH
-) -> PreTrainedTokenizerFast:
-    """Build a Hugging Face fast tokenizer where every character of ``alphabet`` is one token.
+def build_char_tokenizer(alphabet: str, model_max_length: int = DEFAULT_MODEL_MAX_LENGTH) -> Qwen2Tokenizer:
+    """A Qwen2 tokenizer where every character of ``alphabet`` is one token.
 
     Ids: ``<|pad|>``=0, ``<|eos|>``=1, ``<|unk|>``=2, ``<|system|>``=3, ``<|user|>``=4, ``<|assistant|>``=5,
-    then the alphabet (duplicates ignored). Characters outside the alphabet encode to ``<|unk|>``.
-    Encoding adds no BOS/EOS; padding is on the left, as generation needs.
+    then the alphabet (duplicates ignored; a character of several UTF-8 bytes also adds its bytes after
+    the alphabet). Characters outside the alphabet are dropped, as a Qwen2 tokenizer drops bytes its
+    vocabulary lacks. Encoding adds no BOS/EOS; padding is on the left, as generation needs.
     """
     if not alphabet:
         raise ValueError("alphabet must contain at least one character")
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=_backend(alphabet),
+    vocab, merges = _char_vocab_and_merges(alphabet)
+    return _qwen2_tokenizer(
+        vocab,
+        merges,
         pad_token=PAD_TOKEN,
         eos_token=EOS_TOKEN,
         unk_token=UNK_TOKEN,
-        additional_special_tokens=[SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN],
-        padding_side="left",
+        extra_special_tokens=[SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN],
         model_max_length=model_max_length,
-        # Clean-up would delete the spaces in "12 + 3" before punctuation; spaces are real tokens here.
-        clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+
+
+def _qwen2_tokenizer(
+    vocab: dict[str, int], merges: list[tuple[str, str]], chat_template: str, **kwargs: object
+) -> Qwen2Tokenizer:
+    """A ``Qwen2Tokenizer`` of ``vocab`` and ``merges``: left padding, and no clean-up on decode (it would
+    delete the spaces in ``"12 + 3"`` before punctuation; spaces are real tokens here)."""
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab, merges=merges, padding_side="left", clean_up_tokenization_spaces=False, **kwargs
+    )
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 
@@ -104,30 +126,44 @@ CHATML_TEMPLATE = (
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 
-def build_bpe_tokenizer(corpus: list[str], vocab_size: int = 300) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained locally on ``corpus``, with ChatML special tokens and template.
+def build_bpe_tokenizer(corpus: list[str], vocab_size: int = 300) -> Qwen2Tokenizer:
+    """A byte-level BPE Qwen2 tokenizer trained locally on ``corpus``, with ChatML special tokens and
+    template.
 
-    Merge-prone on purpose: frequent pairs of the corpus (``"\\n_"``, ``"__"``, ``"P_"``) become single
-    tokens, so text decoded and encoded again can come back as different ids. Tests of
+    Trained through Qwen2's own normalizer and pre-tokenizer, so it loads back from a saved directory
+    unchanged. Merge-prone on purpose: frequent pairs of the corpus (``"RR"``, ``"__"``, ``"_\\n"``)
+    become single tokens, so text decoded and encoded again can come back as different ids. Tests of
     token-in-token-out code use it; a character tokenizer hides those bugs. ``<|im_end|>`` is EOS."""
+    reference = Qwen2Tokenizer()  # Qwen2's pipeline: train on exactly what it will split and normalise
     backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
+    backend.normalizer = reference.backend_tokenizer.normalizer
+    backend.pre_tokenizer = reference.backend_tokenizer.pre_tokenizer
+    special = ["<|endoftext|>", IM_START, IM_END]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", IM_START, IM_END],
+        special_tokens=special,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     backend.train_from_iterator(corpus, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
+    return _qwen2_tokenizer(
+        backend.get_vocab(),
+        _trained_merges(backend),
         pad_token="<|endoftext|>",
         eos_token=IM_END,
-        additional_special_tokens=[IM_START],
-        padding_side="left",
+        unk_token="<|endoftext|>",
+        extra_special_tokens=[IM_START],
         model_max_length=DEFAULT_MODEL_MAX_LENGTH,
-        clean_up_tokenization_spaces=False,
+        chat_template=CHATML_TEMPLATE,
     )
-    tokenizer.chat_template = CHATML_TEMPLATE
-    return tokenizer
+
+
+def _trained_merges(backend: Tokenizer) -> list[tuple[str, str]]:
+    """The merges of a trained BPE backend, in rank order (the `tokenizers` API exposes them only
+    through the serialised model)."""
+    import json
+
+    model = json.loads(backend.to_str())["model"]
+    return [
+        tuple(merge.split(" ", 1)) if isinstance(merge, str) else tuple(merge) for merge in model["merges"]
+    ]
