@@ -176,19 +176,32 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(threads)
 
 
-# Tests that share the quickstart's run (a session fixture of about a minute) stay on one test process.
-QUICKSTART_GROUP = "quickstart_run"
+# The modules whose tests use the quickstart's run (a session fixture of about a minute): under
+# pytest-xdist they run on one process, which makes that run once instead of once per process.
+QUICKSTART_MODULES = ("test_distill", "test_dpo", "test_lora", "test_quickstart_e2e")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - xdist's scheduler type
+    """Under pytest-xdist (``-n 2``, the README's commands), a test module is the unit sent to a process,
+    so module-scoped clusters and engines are made once; the quickstart's modules are one unit."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "quickstart" if Path(module).stem in QUICKSTART_MODULES else module
+
+    return ModuleScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With pytest-xdist (``-n 2 --dist loadgroup``, the README's commands), each test module runs on one
-    process, so module-scoped clusters and engines are made once; the tests that use the quickstart's
-    run form one group of their own, so that session fixture is made once rather than on both processes."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
+    """A test that uses the quickstart's run must be in one of ``QUICKSTART_MODULES``."""
     for item in items:
-        group = QUICKSTART_GROUP if QUICKSTART_GROUP in item.fixturenames else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        if "quickstart_run" in getattr(item, "fixturenames", ()) and item.path.stem not in QUICKSTART_MODULES:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the quickstart's run: add {item.path.stem} to QUICKSTART_MODULES in "
+                "tests/conftest.py, so that run is made once under pytest-xdist"
+            )
 
 
 # A test over this many seconds belongs to the slow tier (README, "Tests"): the fast tier must stay

@@ -177,8 +177,62 @@ def test_an_agentic_run_trains_on_episodes_evaluates_held_out_seeds_and_resumes(
     resumed = AgenticPipeline(load_config(EXAMPLE, [*QUICK, f"output_dir={out}", "steps=3"]), resume="latest")
     seeds = resumed.seed_order
     resumed.run()
-    assert [row["step"] for row in metrics(out)] == [1, 2, 3]
+    rows = metrics(out)
+    assert [row["step"] for row in rows] == [1, 2, 3]
     assert seeds.drawn == 3 * 2  # the seed cursor went on from step 2's: no map was played twice
+    # The saved policy, played as a user would (plain transformers, its own tokenizer and chat template,
+    # Gymnasium's maps through our env), does on the held-out maps what the run's greedy evaluation of
+    # the same weights logged.
+    played = play_greedily_with_transformers(out / "model", seeds=range(4), max_turns=4, max_new_tokens=3)
+    for key, value in played.items():
+        assert rows[-1][f"eval/greedy/{key}"] == pytest.approx(value), (key, played, rows[-1])
+
+
+def play_greedily_with_transformers(model_dir: Path, seeds, max_turns: int, max_new_tokens: int) -> dict:
+    """Greedy FrozenLake episodes of the model saved in ``model_dir``, loaded with plain transformers; each
+    turn's prompt is the whole conversation rendered by the saved chat template. The means of what the
+    run's evaluation logs: success, turns, invalid actions and tokens after the prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from roll.envs.base import make_env
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    eos = model.generation_config.eos_token_id
+    env = make_env("frozen_lake", {"size": 4})
+    success = turns = invalid = response_tokens = 0
+    for seed in seeds:
+        observation, _ = env.reset(seed)
+        messages = [{"role": "user", "content": observation}]
+        prompt_len = None
+        for _ in range(max_turns):
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+            prompt_len = prompt_len or len(ids)
+            with torch.no_grad():
+                out = model.generate(
+                    torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos
+                )
+            new = out[0, len(ids) :].tolist()
+            turns += 1
+            if new[-1] != eos:  # no end of turn within the budget: not an action, the episode ends
+                invalid += 1
+                break
+            action = tokenizer.decode(new[:-1], skip_special_tokens=True)
+            observation, _, terminated, truncated, info = env.step(action)
+            invalid += not info["action_is_valid"]
+            success += info.get("metrics", {}).get("success", 0.0)
+            if terminated or truncated:
+                break
+            messages += [{"role": "assistant", "content": action}, {"role": "user", "content": observation}]
+        response_tokens += len(ids) + len(new) - prompt_len  # every id after the first prompt
+    n = len(seeds)
+    return {
+        "success": success / n,
+        "turns": turns / n,
+        "invalid_action_frac": invalid / turns,
+        "response_tokens": response_tokens / n,
+    }
 
 
 @pytest.mark.slow
