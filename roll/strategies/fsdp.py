@@ -7,8 +7,16 @@ unit). One rank runs the plain module: sharding over a single rank only adds ove
 
 from __future__ import annotations
 
+import sys
+
 import torch
-from torch.distributed.tensor import DTensor
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """A DTensor (an FSDP2 shard). None exists before ``torch.distributed.tensor`` is imported (sharding
+    imports it), so the check leaves it unimported: it is 0.6 s of every rollout and actor worker's start."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def shard_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -31,12 +39,12 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a collective all-gather for a sharded (DTensor) one, the tensor itself otherwise.
     Every rank must call it for the same tensors in the same order."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return tensor.full_tensor() if is_sharded(tensor) else tensor
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a sharded (DTensor) tensor, the tensor itself otherwise (no communication)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_sharded(tensor) else tensor
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -44,7 +52,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     sharded; every rank must call it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
+    if not any(is_sharded(p) for p in model.parameters()):
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from roll.strategies.fsdp import full_tensor
+from roll.strategies.fsdp import full_tensor, is_sharded
 
 FULL, ADAPTER, MERGED = "full", "adapter", "merged"
 PAYLOADS = (FULL, ADAPTER, MERGED)
@@ -205,9 +205,7 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter's weights, whole and on CPU, under peft's file names (``...q_proj.lora_A.weight``).
     Sharded weights are gathered to rank 0 (an empty dict elsewhere); every rank must call it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) for p in model.parameters()):
+    if any(is_sharded(p) for p in model.parameters()):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         state = get_model_state_dict(model, options=options)
     else:
