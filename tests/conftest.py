@@ -1,4 +1,5 @@
-"""Shared fixtures: one local Ray for the whole test session, the repository root, a tiny model."""
+"""Shared fixtures: one local Ray per test process for its whole session, the repository root, a tiny model;
+under pytest-xdist, the grouping of tests into units and the torch threads of each process."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def ray_session() -> Iterator[None]:
         saved = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, saved) if p)
         try:
-            from roll.distributed.ray_utils import worker_runtime_env
+            from roll.distributed.ray_utils import LOCAL_SYSTEM_CONFIG, worker_runtime_env
 
             ray.init(
                 address="local",  # never a cluster another program recorded on this machine
@@ -45,6 +46,7 @@ def ray_session() -> Iterator[None]:
                 include_dashboard=False,
                 logging_level=logging.WARNING,
                 runtime_env=worker_runtime_env(),
+                _system_config=dict(LOCAL_SYSTEM_CONFIG),  # a copy: ray.init adds its own keys to it
             )
         finally:
             if saved is None:

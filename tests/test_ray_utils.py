@@ -45,8 +45,23 @@ def test_init_ray_joins_the_configured_cluster_or_starts_a_local_one(
     init_ray(RayConfig(address=config_address, num_cpus=3))
     assert len(calls) == 1
     assert calls[0].get("address") == expected
-    # A local Ray gets the configured CPU count; joining leaves the cluster's resources alone.
+    # A local Ray gets the configured CPU count and workers at the driver's priority; joining leaves the
+    # cluster's resources and settings alone.
     assert ("num_cpus" in calls[0]) == (expected == "local")
+    assert calls[0].get("_system_config") == ({"worker_niceness": 0} if expected == "local" else None)
+
+
+@ray.remote(num_cpus=0)
+def _niceness() -> int:
+    import os
+
+    return os.nice(0)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_workers_run_at_the_drivers_priority() -> None:
+    """Ray's default niceness of 15 let any busy process on the machine starve a run's workers."""
+    assert ray.get(_niceness.remote(), timeout=600) == 0
 
 
 @ray.remote(num_cpus=0)

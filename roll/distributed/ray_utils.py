@@ -32,10 +32,22 @@ def init_ray(cfg: RayConfig) -> None:
         # "local": a Ray of this run's own. Without an address ray.init() would join whatever cluster
         # `ray start` (or another program) last recorded on this machine, and die with it.
         ray.init(
-            address="local", num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False, **common
+            address="local",
+            num_cpus=cfg.num_cpus,
+            num_gpus=cfg.num_gpus,
+            include_dashboard=False,
+            _system_config=dict(LOCAL_SYSTEM_CONFIG),  # a copy: ray.init adds its own keys to it
+            **common,
         )
     # Ray's core worker has just replaced the SIGTERM handler with one that dumps a stack and aborts.
     signals.reinstall()
+
+
+# Ray starts its workers at niceness 15, so any other busy process on the machine (a compile, another
+# job) takes the cores from the whole run: beside one busy loop per core, a quickstart's workers got 3%
+# of a core each and a step took minutes. The workers are the run's work: they run at the driver's
+# priority. (A cluster that is joined keeps its own setting.)
+LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0}
 
 
 # How long an idle OpenMP thread of a worker spins before it sleeps (libgomp's GOMP_SPINCOUNT, in rounds
