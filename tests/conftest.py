@@ -37,7 +37,7 @@ def ray_session() -> Iterator[None]:
         saved = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, saved) if p)
         try:
-            from roll.distributed.ray_utils import LOCAL_SYSTEM_CONFIG, worker_runtime_env
+            from roll.distributed.ray_utils import local_system_config, worker_runtime_env
 
             ray.init(
                 address="local",  # never a cluster another program recorded on this machine
@@ -46,7 +46,7 @@ def ray_session() -> Iterator[None]:
                 include_dashboard=False,
                 logging_level=logging.WARNING,
                 runtime_env=worker_runtime_env(),
-                _system_config=dict(LOCAL_SYSTEM_CONFIG),  # a copy: ray.init adds its own keys to it
+                _system_config=local_system_config(),
             )
         finally:
             if saved is None:

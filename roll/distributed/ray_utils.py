@@ -36,7 +36,7 @@ def init_ray(cfg: RayConfig) -> None:
             num_cpus=cfg.num_cpus,
             num_gpus=cfg.num_gpus,
             include_dashboard=False,
-            _system_config=dict(LOCAL_SYSTEM_CONFIG),  # a copy: ray.init adds its own keys to it
+            _system_config=local_system_config(),
             **common,
         )
     # Ray's core worker has just replaced the SIGTERM handler with one that dumps a stack and aborts.
@@ -47,7 +47,10 @@ def init_ray(cfg: RayConfig) -> None:
 # job) takes the cores from the whole run: beside one busy loop per core, a quickstart's workers got 3%
 # of a core each and a step took minutes. The workers are the run's work: they run at the driver's
 # priority. (A cluster that is joined keeps its own setting.)
-LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0}
+def local_system_config() -> dict:
+    """The system config of a Ray this process starts: workers at niceness 0. A new dict on every call,
+    since ray.init adds its own keys to the one it is given."""
+    return {"worker_niceness": 0}
 
 
 # How long an idle OpenMP thread of a worker spins before it sleeps (libgomp's GOMP_SPINCOUNT, in rounds
