@@ -21,7 +21,7 @@ from roll.strategies import hf_generate
 from roll.strategies.hf_forward import response_logprobs
 from roll.strategies.infer import GenerateRequest, GenerateResult
 from roll.strategies.infer.hf import HFEngine
-from roll.strategies.sampling import SamplingParams, sample_tokens
+from roll.strategies.sampling import SamplingParams, draw, sample_tokens
 
 GREEDY = SamplingParams(max_new_tokens=8, greedy=True)
 
@@ -388,6 +388,22 @@ def test_shutdown_wakes_a_waiting_collect_finished(model, tokenizer) -> None:
     start = time.monotonic()
     assert engine.collect_finished(WAIT_S) == []  # shut down: no waiting at all
     assert time.monotonic() - start < WAIT_S / 2
+
+
+def test_draws_follow_the_probabilities_and_never_take_an_impossible_token() -> None:
+    """The sampler's inverse-CDF draw (torch.multinomial's distribution, one uniform per row)."""
+    torch.manual_seed(0)
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.6, 0.3, 0.0])
+    # Rows need not sum to 1 (truncation renormalises, rounding does not): scale one copy by 7.
+    draws = draw(torch.stack([probs, 7 * probs]).repeat(50_000, 1))
+    counts = torch.bincount(draws, minlength=6) / len(draws)
+    assert counts[[0, 2, 5]].sum() == 0
+    # 100,000 draws: the standard error of 0.6 is 0.0015, so 0.01 is over six of them.
+    assert torch.allclose(counts, probs, atol=0.01), counts
+    # A row whose mass sits on its first or last entry alone.
+    edges = torch.zeros(2, 1000)
+    edges[0, 0] = edges[1, -1] = 1e-30
+    assert draw(edges).tolist() == [0, 999]
 
 
 def test_sampler_truncation_matches_transformers_warpers() -> None:

@@ -217,14 +217,15 @@ def test_killed_workers_of_every_role_are_recovered_without_losing_a_step(
     first three are replaced without a rollback, the actor restarts from the last checkpoint (beside
     the others, which outlive it); the run finishes its steps and metrics.jsonl holds each step exactly
     once."""
-    out, steps = tmp_path / "run", 70
-    overrides = (*QUICK_RUN[:1], f"steps={steps}", *QUICK_RUN[2:], "checkpoint.every_steps=10")
+    out, steps = tmp_path / "run", 24
+    overrides = (*QUICK_RUN[:1], f"steps={steps}", *QUICK_RUN[2:], "checkpoint.every_steps=5")
     overrides += ("algorithm.kl_coef=0.001", "checkpoint.max_restarts=4")  # a reference model to kill
     overrides += ("reward=math_verify",)  # scored on reward workers (exact_match is scored in the controller)
     run = start_run(repo_root, out, *overrides)
-    # Kills 10 or 15 steps apart; the actor's lands 5 steps past a checkpoint (it rolls back to it) and
-    # 25 steps before the run's end.
-    kills = (("RolloutWorker", 10), ("RewardWorker", 20), ("ReferenceWorker", 30), ("ActorWorker", 45))
+    # Each kill waits for rows the run can only write once the previous loss was recovered (a lost
+    # worker is noticed in the next step, which then finishes). The actor's lands 2 steps past a
+    # checkpoint (it rolls back to it and trains those steps again) and 7 steps before the run's end.
+    kills = (("RolloutWorker", 3), ("RewardWorker", 6), ("ReferenceWorker", 9), ("ActorWorker", 17))
     for role, rows in kills:
         wait_for_rows(out / "metrics.jsonl", rows, run)
         (pid,) = [p for p, cmd in run_processes(run.pid).items() if cmd.startswith(f"ray::{role}")]
