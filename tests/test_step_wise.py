@@ -106,8 +106,13 @@ def test_the_scheduler_makes_one_row_per_turn_from_the_contexts_it_sent(bpe) -> 
     chat = ChatTurns(bpe, [bpe.eos_token_id], SYSTEM)
     params = SamplingParams(max_new_tokens=4, stop_token_ids=(bpe.eos_token_id,))
     sched = EpisodeScheduler(
-        backend, LocalEnvs(EnvPool("frozen_lake", {"size": 4})), chat, spec, params,
-        SeedOrder(FrozenLake(size=4), held_out=10), bpe.pad_token_id,
+        backend,
+        LocalEnvs(EnvPool("frozen_lake", {"size": 4})),
+        chat,
+        spec,
+        params,
+        SeedOrder(FrozenLake(size=4), held_out=10),
+        bpe.pad_token_id,
     )
     sched.clock = backend.clock
     batch, metrics = sched.next_batch(1)

@@ -205,6 +205,7 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter's weights, whole and on CPU, under peft's file names (``...q_proj.lora_A.weight``).
     Sharded weights are gathered to rank 0 (an empty dict elsewhere); every rank must call it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     if any(is_sharded(p) for p in model.parameters()):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         state = get_model_state_dict(model, options=options)
