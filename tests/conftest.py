@@ -185,8 +185,12 @@ QUICKSTART_MODULES = ("test_distill", "test_dpo", "test_lora", "test_quickstart_
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - xdist's scheduler type
     """Under pytest-xdist (``-n 2``, the README's commands), a test module is the unit sent to a process,
-    so module-scoped clusters and engines are made once; the quickstart's modules are one unit."""
+    so module-scoped clusters and engines are made once; the quickstart's modules are one unit. Units go
+    out in collection order (``LONGEST_MODULES`` first): xdist's default reorders them by their number of
+    tests, which sent the many-test, quick modules first and left the long ones for the end."""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -198,16 +202,26 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - x
 
 # The modules that take longest (minutes each on 2 cores), longest first: under pytest-xdist the test
 # processes take modules in collection order, so these start first and the run does not end waiting on
-# one long module while the other process is idle. Measured with `--junitxml` (2026-11-27).
+# one long module while the other process is idle. Measured with `--junitxml` (2026-11-27): each of
+# these took over 20 s of a CI run.
 LONGEST_MODULES = (
     *QUICKSTART_MODULES,
-    "test_run_control",
     "test_agentic",
+    "test_run_control",
     "test_pipelines_cli",
     "test_recipes_cli",
-    "test_multi_domain_e2e",
     "test_resume",
     "test_workers",
+    "test_multi_domain_e2e",
+    "test_cluster",
+    "test_continuous_batching",
+    "test_rollout_ray",
+    "test_placement",
+    "test_trainer_state",
+    "test_shm_weight_sync",
+    "test_liveness",
+    "test_critic",
+    "test_onpolicy_distill",
 )
 
 
