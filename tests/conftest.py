@@ -168,13 +168,17 @@ def _can_create_in(directory: Path) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     """On each of pytest-xdist's processes, torch (and any ``roll train`` or benchmark it starts) uses its
     share of the cores: two processes of two threads each on 2 cores spent the fast tier's time handing
-    cores back and forth (4:10 against 3:41 with one thread each). Worker processes set their own count."""
+    cores back and forth (4:10 against 3:41 with one thread each). So do the Ray workers of the tests and
+    runs each process starts (``ROLL_CPU_THREADS``): two test files of whole runs side by side took 124 and
+    140 s with two threads per worker, 118 and 134 s with one."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         import torch
 
         threads = max(1, (os.cpu_count() or 1) // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+        # The workers of this process's Ray and of the runs it starts: their share too.
+        os.environ["ROLL_CPU_THREADS"] = str(threads)
         torch.set_num_threads(threads)
 
 

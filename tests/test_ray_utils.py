@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import ray
 
@@ -87,8 +89,23 @@ def test_a_user_set_openmp_wait_policy_wins(monkeypatch) -> None:
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("ROLL_CPU_THREADS", raising=False)
     assert worker_runtime_env()["env_vars"] == {"GOMP_SPINCOUNT": WORKER_SPIN_COUNT}
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     assert worker_runtime_env()["env_vars"] == {"OMP_WAIT_POLICY": "PASSIVE"}
     monkeypatch.setenv("GOMP_SPINCOUNT", "0")
     assert worker_runtime_env()["env_vars"] == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
+
+
+def test_the_drivers_cpu_share_reaches_every_worker(monkeypatch) -> None:
+    """``ROLL_CPU_THREADS`` caps the threads of a node's workers (two runs, or test processes, sharing a
+    machine); each role's ranks split it. Unset: every core."""
+    from roll.distributed.ray_utils import worker_runtime_env
+    from roll.workers.base import cpu_threads
+
+    monkeypatch.delenv("ROLL_CPU_THREADS", raising=False)
+    assert "ROLL_CPU_THREADS" not in worker_runtime_env()["env_vars"]
+    assert cpu_threads() == os.cpu_count()
+    monkeypatch.setenv("ROLL_CPU_THREADS", "1")
+    assert worker_runtime_env()["env_vars"]["ROLL_CPU_THREADS"] == "1"
+    assert cpu_threads() == 1

@@ -33,8 +33,22 @@ class ModelConfig:
         None, help="Build a tiny model into <output_dir>/tiny_model when `path` is not set (tests, demos)."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = option(
-        "float32", help="Parameter dtype for training and inference."
+        "float32",
+        help="The dtype the model computes in. Trained models (actor, critic) keep float32 weights and "
+        "optimizer state and reduce gradients in float32 whatever it is: bfloat16 is mixed precision "
+        "(FSDP2's MixedPrecisionPolicy), not bfloat16 weights. The reference model and the weights a "
+        "run saves (<output_dir>/model) are in this dtype; checkpoints keep the float32 weights. float16 "
+        "is refused for training (it needs loss scaling, which ROLL does not do): use bfloat16.",
     )
+    inference_dtype: Literal["float32", "bfloat16", "float16"] | None = option(
+        None,
+        help="The dtype of the weights that only generate or score: rollout workers (weight syncs are "
+        "sent in it) and distillation teachers. Unset: model.dtype.",
+    )
+
+    def inference(self) -> str:
+        """The dtype of the inference-only roles: ``inference_dtype``, else ``dtype``."""
+        return self.inference_dtype or self.dtype
 
 
 @dataclass

@@ -8,6 +8,7 @@ from roll.config.validation import (
     check_data_path,
     check_divides,
     check_model,
+    check_no_inference_roles,
     check_registry,
     check_reward,
     check_sequence_fits,
@@ -22,6 +23,7 @@ def validate_dpo(cfg: DPOConfig) -> list[str]:
     if problems:  # the checks below divide by these
         return problems
     problems = check_model(cfg.model) + check_tiny_model(cfg.model) + check_tracking(cfg.tracking)
+    problems += check_no_inference_roles(cfg.model, "dpo")
     problems += check_columns("data.columns", cfg.data.columns)
     problems += [
         f"data.columns.{name}: a preference row has no field '{name}'; map {', '.join(PREFERENCE_FIELDS)}"

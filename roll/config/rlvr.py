@@ -113,8 +113,9 @@ class RolloutConfig:
     sync_probe_tolerance: float | None = option(
         None,
         gt=0,
-        help="Largest allowed |trainer - engine| logprob on the sync probe. Unset: 1e-3 with model.dtype "
-        "float32, 0.1 with bfloat16/float16 (rounding alone moves bf16 logprobs by a few hundredths).",
+        help="Largest allowed |trainer - engine| logprob on the sync probe. Unset: 1e-3 when the trainer "
+        "(model.dtype) and the engine (model.inference_dtype) both compute in float32, else 0.1 (rounding "
+        "alone moves bf16 logprobs by a few hundredths).",
     )
     hybrid_engine: bool = option(
         False,

@@ -24,9 +24,19 @@ SAMPLES_KEY = "rollout.rollout_batch_size x rollout.num_return_sequences"
 
 
 def check_model(model: ModelConfig) -> list[str]:
+    problems = []
+    if model.dtype == "float16":
+        # Trained in float16, small gradients round to zero and large ones overflow without a loss scale.
+        problems.append(
+            "model.dtype: float16 training needs loss scaling, which ROLL does not do; use bfloat16 "
+            "(same memory, float32's range). model.inference_dtype may be float16"
+        )
     if model.path is None and model.tiny is None:
-        return ["model: set model.path to a local Hugging Face model directory (or model.tiny to build one)"]
-    return check_model_dir("model.path", model.path) if model.path is not None else []
+        return [
+            *problems,
+            "model: set model.path to a local Hugging Face model directory (or model.tiny to build one)",
+        ]
+    return problems + (check_model_dir("model.path", model.path) if model.path is not None else [])
 
 
 def check_model_dir(key: str, path: str) -> list[str]:
@@ -258,12 +268,22 @@ def check_sequence_fits(model: ModelConfig, max_prompt_length: int, max_new_toke
     return []
 
 
+def check_no_inference_roles(model: ModelConfig, pipeline: str) -> list[str]:
+    """``model.inference_dtype`` where every model is the trained one or its reference (in model.dtype)."""
+    if model.inference_dtype is None:
+        return []
+    return [
+        f"model.inference_dtype: pipeline: {pipeline} has no generate-only or score-only model (its "
+        "reference, if any, computes in model.dtype like the trained model); remove it"
+    ]
+
+
 def validate_sft(cfg: SFTConfig) -> list[str]:
     # Bounds first: the cross-field checks below divide by batch sizes and world sizes.
     problems = out_of_bounds(cfg)
     if problems:
         return problems
-    problems = check_common(cfg)
+    problems = check_common(cfg) + check_no_inference_roles(cfg.model, "sft")
     problems += check_sft_train(cfg.train, "train")
     problems += check_sequence_fits(cfg.model, cfg.data.max_prompt_length, cfg.eval.max_new_tokens)
     problems += check_reward("reward", cfg.reward)
@@ -437,6 +457,11 @@ def check_hybrid_engine(cfg: RLVRConfig) -> list[str]:
         problems.append(
             f"rollout.prefix_cache_tokens: rollout workers keep an episode's KV between turns; the hybrid "
             f"engine's batch generation keeps none; unset it or {hint}"
+        )
+    if cfg.model.inference_dtype is not None and not getattr(getattr(cfg, "distill", None), "teachers", None):
+        problems.append(
+            f"model.inference_dtype: the hybrid engine generates with the actor's model, in model.dtype; "
+            f"unset it or {hint}"
         )
     default_engine = RolloutConfig.__dataclass_fields__["engine"].default
     if rollout.engine != default_engine:

@@ -65,6 +65,10 @@ WORKER_SPIN_COUNT = "10000"
 
 def worker_runtime_env() -> dict:
     """The job's runtime environment: OpenMP's idle threads spin ``WORKER_SPIN_COUNT`` rounds, unless
-    the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``, which then reach every worker as set."""
+    the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``, which then reach every worker as set; the
+    driver's ``ROLL_CPU_THREADS`` (``roll.workers.base.cpu_threads``) reaches them too."""
     user = {name: os.environ[name] for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if name in os.environ}
-    return {"env_vars": user or {"GOMP_SPINCOUNT": WORKER_SPIN_COUNT}}
+    env = user or {"GOMP_SPINCOUNT": WORKER_SPIN_COUNT}
+    if "ROLL_CPU_THREADS" in os.environ:
+        env["ROLL_CPU_THREADS"] = os.environ["ROLL_CPU_THREADS"]
+    return {"env_vars": env}

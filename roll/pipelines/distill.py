@@ -166,7 +166,7 @@ class DistillPipeline(RunLoop):
         cfg = self.config
         set_activity("starting the teacher")
         start = time.perf_counter()
-        spec = ModelHolder(ModelSpec(path=cfg.teacher.model_path, dtype=cfg.model.dtype, seed=cfg.seed))
+        spec = ModelHolder(ModelSpec(path=cfg.teacher.model_path, dtype=cfg.model.inference(), seed=cfg.seed))
         teacher = self._cluster("teacher", ReferenceWorker, cfg.teacher.world_size, spec)
         try:
             teacher.setup()

@@ -241,7 +241,8 @@ class PolicyPipeline(RunLoop):
         roles.update(self.extra_roles())
         for name, teacher in onpolicy_teachers(cfg).items():
             role = teacher_role(name)
-            spec = ModelHolder(dataclasses.replace(plan.actor.model, path=teacher.model_path))
+            model = dataclasses.replace(plan.rollout.model, path=teacher.model_path)  # inference dtype
+            spec = ModelHolder(model)
             roles[role] = Role(role, ReferenceWorker, teacher.world_size, spec, replaceable=True)
         if reference_workers(cfg):
             holder = ModelHolder(plan.actor.model)

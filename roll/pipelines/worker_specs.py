@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from roll.config.common import ModelConfig
 from roll.config.devices import role_plan
 from roll.config.rlvr import RLVRConfig, tis_cap
 from roll.distributed.device_mapping import RoleDevices
@@ -55,11 +56,13 @@ def lora_spec(section: Any) -> LoraSpec | None:
     return from_section(LoraSpec, section, target_modules=tuple(section.target_modules))
 
 
-def probe_spec(rollout: Any, dtype: str) -> ProbeSpec | None:
-    """The weight-sync probe of a ``rollout`` section, its tolerance defaulting by the model's dtype."""
+def probe_spec(rollout: Any, model: ModelConfig) -> ProbeSpec | None:
+    """The weight-sync probe of a ``rollout`` section. Its tolerance defaults by the coarser of the two
+    dtypes it compares: the trainer computes in ``model.dtype``, the engine in the inference dtype."""
     if rollout.sync_probe_sequences == 0:
         return None
-    return ProbeSpec(rollout.sync_probe_sequences, rollout.sync_probe_tolerance or default_tolerance(dtype))
+    tolerance = max(default_tolerance(model.dtype), default_tolerance(model.inference()))
+    return ProbeSpec(rollout.sync_probe_sequences, rollout.sync_probe_tolerance or tolerance)
 
 
 def device_roles(cfg: RLVRConfig) -> list[RoleDevices]:
@@ -104,6 +107,7 @@ def plan_workers(cfg: RLVRConfig, model_path: str, rows_vary: bool = False) -> R
     LR schedule spans exactly the optimizer steps taken, whatever the episodes' lengths."""
     rollout = cfg.rollout
     model = ModelSpec(path=model_path, dtype=cfg.model.dtype, seed=cfg.seed)
+    inference_model = dataclasses.replace(model, dtype=cfg.model.inference())
     samples = rollout.rollout_batch_size * rollout.num_return_sequences
     timeout = cfg.ray.call_timeout_s
 
@@ -125,6 +129,7 @@ def plan_workers(cfg: RLVRConfig, model_path: str, rows_vary: bool = False) -> R
         policy=from_section(PolicyLossSpec, cfg.algorithm, tis_cap=tis_cap(cfg)),
         temperature=rollout.temperature,
         lora=lora_spec(cfg.actor.lora),
+        sync_dtype=cfg.model.inference(),
         **trainer_fields(cfg.actor),
     )
     critic = None
@@ -136,7 +141,7 @@ def plan_workers(cfg: RLVRConfig, model_path: str, rows_vary: bool = False) -> R
     return RLVRWorkerPlan(
         actor=actor,
         critic=critic,
-        rollout=from_section(RolloutSpec, rollout, model=model),
+        rollout=from_section(RolloutSpec, rollout, model=inference_model),
         scheduler=from_section(SchedulerSpec, rollout),
         sampling=sampling,
         # An agentic run's greedy turns keep the training turns' budget (its eval section has none).
@@ -144,7 +149,7 @@ def plan_workers(cfg: RLVRConfig, model_path: str, rows_vary: bool = False) -> R
         prompts_per_step=rollout.rollout_batch_size,
         samples_per_prompt=rollout.num_return_sequences,
         weight_bucket_bytes=rollout.weight_bucket_mb << 20,
-        sync_probe=probe_spec(rollout, cfg.model.dtype),
+        sync_probe=probe_spec(rollout, cfg.model),
         hybrid_engine=rollout.hybrid_engine,
         roles=tuple(device_roles(cfg)),
     )

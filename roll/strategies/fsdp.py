@@ -2,7 +2,8 @@
 
 Each transformer block is its own FSDP unit (parameters all-gathered just before the block runs and freed
 after), and the root module holds the rest (embeddings, final norm, head; tied embeddings stay in one
-unit). One rank runs the plain module: sharding over a single rank only adds overhead.
+unit). One rank computing in its weights' dtype runs the plain module (sharding a single rank only adds
+overhead); mixed precision is FSDP2's on every world size, one rank included.
 """
 
 from __future__ import annotations
@@ -19,9 +20,14 @@ def is_sharded(tensor: torch.Tensor) -> bool:
     return module is not None and isinstance(tensor, module.DTensor)
 
 
-def shard_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Shard ``model`` in place across the default process group (every rank calls this)."""
-    from torch.distributed.fsdp import fully_shard
+def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Shard ``model`` in place across the default process group (every rank calls this).
+
+    ``compute_dtype`` (e.g. bfloat16) is mixed precision: the weights stay in their dtype (the float32
+    master copy the optimizer updates), each block's are cast to ``compute_dtype`` when gathered for its
+    forward and backward, and gradients are reduced and kept in float32. None: compute in the weights'
+    dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     block_names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
@@ -30,9 +36,12 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
             f"{type(model).__name__} names no transformer block class in `_no_split_modules`; "
             "FSDP2 needs one to shard layer by layer"
         )
+    policy = MixedPrecisionPolicy()
+    if compute_dtype is not None:
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for block in blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     return model
 
 

@@ -77,6 +77,9 @@ class ActorSpec(TrainerSpec):
     temperature: float = 1.0
     # Train a LoRA adapter on the frozen base instead of every weight (``actor.lora``); None: full.
     lora: LoraSpec | None = None
+    # The dtype a weight sync sends floating-point weights in: the rollout engine's (``model.inference``),
+    # so they are rounded once, here, and travel at its size. None: as held (float32).
+    sync_dtype: str | None = None
 
 
 class ActorWorker(TrainerWorker):
@@ -304,7 +307,14 @@ class ActorWorker(TrainerWorker):
 
         weights = outgoing_weights(self.model, payload)
         self.weight_payload = payload
-        return plan_buckets([TensorMeta(w.name, w.shape, w.dtype) for w in weights], bucket_bytes)
+        # An adapter travels as held: the engine merges it into its base in float32 and rounds once.
+        cast = self.config.sync_dtype is not None and payload != ADAPTER
+        sent = getattr(torch, self.config.sync_dtype) if cast else None
+
+        def dtype(held: torch.dtype) -> torch.dtype:
+            return sent if sent is not None and held.is_floating_point else held
+
+        return plan_buckets([TensorMeta(w.name, w.shape, dtype(w.dtype)) for w in weights], bucket_bytes)
 
     def _tensors_for(self) -> Callable[[Bucket], dict[str, torch.Tensor]]:
         """Per bucket, its tensors made whole (gathered, and merged for the ``merged`` payload); every
@@ -312,7 +322,8 @@ class ActorWorker(TrainerWorker):
         weights = {w.name: w for w in outgoing_weights(self.model, self.weight_payload)}
 
         def tensors_for(bucket: Bucket) -> dict[str, torch.Tensor]:
-            return {meta.name: weights[meta.name].gather() for meta in bucket.tensors}
+            # Cast to the plan's dtype (the engine's, see weight_plan): a no-op when they agree.
+            return {meta.name: weights[meta.name].gather().to(meta.dtype) for meta in bucket.tensors}
 
         return tensors_for
 

@@ -19,8 +19,20 @@ class ModelSpec:
     """What every model-holding worker needs to start."""
 
     path: str
-    dtype: str = "float32"
+    dtype: str = "float32"  # what the model computes in (trainers hold float32 weights, see TrainerWorker)
     seed: int = 0
+
+
+# The cores a run's workers may use on each node (default: all of them): set it when other work shares the
+# machine, e.g. two runs, or two test processes, on one. Threads beyond the cores a process really gets make
+# OpenMP's teams wait on descheduled threads (two test processes of whole runs: about 5% slower).
+CPU_THREADS_ENV = "ROLL_CPU_THREADS"
+
+
+def cpu_threads() -> int:
+    """The threads this node's workers share (``ROLL_CPU_THREADS``, else every core)."""
+    value = os.environ.get(CPU_THREADS_ENV)
+    return max(1, int(value)) if value else os.cpu_count() or 1
 
 
 def pick_device() -> torch.device:
@@ -43,7 +55,7 @@ class ModelWorker(Worker):
         spec: ModelSpec = self.config.model
         # The stages of a step run one after another, so one role at a time uses the node's cores (Ray
         # would otherwise pin each zero-CPU actor to a single thread); its ranks run together and split them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+        torch.set_num_threads(max(1, cpu_threads() // self.world_size))
         torch.manual_seed(spec.seed + self.rank)
         self.device = pick_device()
         self.tokenizer = load_tokenizer(spec.path)
@@ -64,7 +76,11 @@ class ModelWorker(Worker):
         """The worker's model on ``self.device``: a causal LM here; the critic loads a value model."""
         from roll.models.loading import load_causal_lm
 
-        return load_causal_lm(spec.path, dtype=spec.dtype, device=self.device)
+        return load_causal_lm(spec.path, dtype=self.weights_dtype(spec), device=self.device)
+
+    def weights_dtype(self, spec: ModelSpec) -> str:
+        """The dtype the weights are held in: the one the model computes in (trainers keep float32)."""
+        return spec.dtype
 
     @register(Dispatch.ONE_TO_ALL)
     def device_type(self) -> str:

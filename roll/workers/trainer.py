@@ -92,39 +92,58 @@ SUMMED_OVER_MICRO_BATCHES = ("loss", "entropy", "kl", "divergence", "cross_entro
 class TrainerWorker(ModelWorker):
     """``config`` is a TrainerSpec. With world_size > 1 the ranks form a gloo/NCCL group and all-reduce
     gradients, normalising the loss by the global token (or sequence) count so the update equals one
-    big batch."""
+    big batch. Weights and optimizer state are float32; ``model.dtype`` bfloat16 computes in it (mixed
+    precision, see ``roll.strategies.fsdp.shard_model``)."""
 
     @register(Dispatch.ONE_TO_ALL)
     def setup(self, master_addr: str | None = None, master_port: int | None = None, **_: object) -> None:
         super().setup()
         spec: TrainerSpec = self.config
-        if self.world_size > 1:
+        compute_dtype = getattr(torch, spec.model.dtype)
+        mixed = compute_dtype != torch.float32
+        if self.world_size > 1 or mixed:
             from roll.strategies.fsdp import shard_model
 
-            # The step's bookkeeping all-reduces CPU tensors (global denominator, micro-batch count, loss
-            # terms, finite-weights flag): NCCL alone has no CPU backend, so those go over gloo.
-            backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(
-                backend,
-                init_method=f"tcp://{master_addr}:{master_port}",
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=timedelta(seconds=spec.collective_timeout_s),
-            )
-            # Every rank must start from identical weights even if loading were nondeterministic.
-            for p in self.model.parameters():
-                dist.broadcast(p.data, src=0)
-            self.model = shard_model(self.model)
+            self._join_process_group(master_addr, master_port)
+            if self.world_size > 1:  # identical starting weights even if loading were nondeterministic
+                for p in self.model.parameters():
+                    dist.broadcast(p.data, src=0)
+            self.model = shard_model(self.model, compute_dtype if mixed else None)
         self.model.train()
         opt = spec.optimizer
         # The fused kernel updates every tensor in one pass (quickstart model on CPU: 0.5 ms against 2.4 ms
         # per step); sharded (DTensor) parameters keep the default implementation.
         # Frozen weights (a LoRA base) get no optimizer state: Adam's two moments cost 8 bytes a weight.
+        from roll.strategies.fsdp import is_sharded
+
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            trainable, lr=opt.lr, weight_decay=opt.weight_decay, fused=self.world_size == 1
-        )
+        fused = not any(is_sharded(p) for p in trainable)
+        self.optimizer = torch.optim.AdamW(trainable, lr=opt.lr, weight_decay=opt.weight_decay, fused=fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(opt))
+
+    def weights_dtype(self, spec: ModelSpec) -> str:
+        """float32 whatever the model computes in: the master weights the optimizer updates (a bf16 weight
+        cannot take an update below 1/256 of itself: at lr 1e-6 almost none changed)."""
+        return "float32"
+
+    def _join_process_group(self, master_addr: str | None, master_port: int | None) -> None:
+        """The ranks' gloo/NCCL group (FSDP2 and the step's bookkeeping). One rank gets a group of its own
+        too, in memory: mixed precision is FSDP2's on every world size."""
+        spec: TrainerSpec = self.config
+        # The step's bookkeeping all-reduces CPU tensors (global denominator, micro-batch count, loss
+        # terms, finite-weights flag): NCCL alone has no CPU backend, so those go over gloo.
+        backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+        timeout = timedelta(seconds=spec.collective_timeout_s)
+        if self.world_size == 1:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            return
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timeout,
+        )
 
     @register(Dispatch.ONE_TO_ALL)
     def shutdown(self) -> None:
@@ -346,6 +365,11 @@ class TrainerWorker(ModelWorker):
         state = adapter_state(self.model) if lora else full_state_dict(self.model)
         if self.rank != 0:
             return None
+        # The model is saved in the dtype it computes in (what the user asked for); checkpoints keep the
+        # float32 weights. An adapter stays float32, as peft saves it.
+        dtype = getattr(torch, self.config.model.dtype)
+        if not lora and dtype != torch.float32:
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -353,7 +377,7 @@ class TrainerWorker(ModelWorker):
             save_adapter(self.model, state, staging)
         else:
             self.model.save_pretrained(staging, state_dict=state)
-            _fix_architecture_name(staging, unwrapped_class_name(self.model))
+            _fix_config(staging, unwrapped_class_name(self.model), self.config.model.dtype)
         self.tokenizer.save_pretrained(staging)
         if target.exists():
             old = target.with_name(f".{target.name}.old.{os.getpid()}")
@@ -373,14 +397,15 @@ def _one_process_is_fine() -> Iterator[None]:
         yield
 
 
-def _fix_architecture_name(directory: Path, class_name: str) -> None:
-    """FSDP2 wraps the model in a generated subclass (``FSDPQwen2ForCausalLM``) whose name HF would record
-    as the architecture; write the real class's name."""
+def _fix_config(directory: Path, class_name: str, dtype: str) -> None:
+    """Record the real class and dtype in the saved ``config.json``. FSDP2 wraps the model in a generated
+    subclass (``FSDPQwen2ForCausalLM``) whose name HF would record as the architecture, and HF records the
+    dtype of the float32 weights held in memory, not of the state saved."""
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text())
-    if config.get("architectures") != [class_name]:
-        config["architectures"] = [class_name]
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    fixed = {**config, "architectures": [class_name], "dtype": dtype}
+    if fixed != config:
+        config_path.write_text(json.dumps(fixed, indent=2, sort_keys=True) + "\n")
 
 
 def _accumulate(into: dict[str, float], values: dict[str, Any]) -> None:
