@@ -82,6 +82,10 @@ class EchoWorker(Worker):
         open(mine, "w").close()
         return wait_for(theirs)
 
+    @register(Dispatch.ONE_TO_ALL)
+    def getenv(self, name: str) -> str | None:
+        return os.environ.get(name)
+
     def not_registered(self) -> None:
         """Not exposed on the Cluster."""
 
@@ -159,9 +163,17 @@ def kill_without_asking(cluster: Cluster) -> None:
 def echo_pair(ray_session: None) -> Iterator[Cluster]:
     """One two-rank EchoWorker cluster shared by the tests that only call it (routing and futures; its
     workers keep no state between calls): starting one per test cost about 2 s each."""
-    cluster = Cluster("echo", EchoWorker, 2, config=None)
+    # A caller's CUDA_VISIBLE_DEVICES does not reach a CPU role (test_a_cpu_role_sees_no_gpu).
+    cluster = Cluster("echo", EchoWorker, 2, config=None, env={"CUDA_VISIBLE_DEVICES": "0", "ROLL_X": "1"})
     yield cluster
     cluster.kill()
+
+
+def test_a_cpu_role_sees_no_gpu(echo_pair):
+    """Ray leaves an actor that asks for no GPU every GPU of its node (the session's Ray declares 4), and a
+    rank that saw them would put itself on cuda:0: unplaced ranks get an empty CUDA_VISIBLE_DEVICES."""
+    assert [ping["cuda_visible_devices"] for ping in echo_pair.ping()] == ["", ""]
+    assert echo_pair.getenv("ROLL_X") == ["1", "1"]  # the rest of the caller's env arrives
 
 
 def make_batch(n: int) -> Batch:

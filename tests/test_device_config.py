@@ -232,3 +232,26 @@ def test_resolved_config_round_trips(tmp_path: Path, path: str) -> None:
     again = load_config(str(again_path))
     assert again == cfg
     assert groups_of(again) == groups_of(cfg)
+
+
+# --------------------------------------------------------------------------- one-trainer pipelines
+
+
+def test_the_sft_trainer_takes_a_mapping_and_its_world_size_follows() -> None:
+    cfg = load_config("examples/sft.yaml", ["train.device_mapping='range(0,2)'"])
+    assert cfg.train.device_mapping == [0, 1] and cfg.train.world_size == 2
+    assert load_config("examples/sft.yaml", []).train.world_size == 1  # unmapped: one CPU rank
+    message = load_error(["train.device_mapping=[0,5]", "ray.num_gpus=2"], "examples/sft.yaml")
+    assert "train.device_mapping" in message and "device 5" in message
+
+
+def test_the_rl_warm_start_trains_on_the_actors_ranks() -> None:
+    cfg = load_config(QUICKSTART, ["actor.device_mapping=[0,1]"])
+    assert cfg.sft_warm_start.world_size == cfg.actor.world_size == 2
+    assert load_config(QUICKSTART, []).sft_warm_start.world_size == 1
+    assert "sft_warm_start.device_mapping: the warm start trains on the actor's devices" in load_error(
+        ["sft_warm_start.device_mapping=[2,3]"]
+    )
+    assert "sft_warm_start.world_size is 1" in load_error(
+        ["actor.device_mapping=[0,1]", "sft_warm_start.world_size=1"]
+    )

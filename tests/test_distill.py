@@ -49,6 +49,16 @@ def test_bad_distill_configs_are_refused_at_load(tmp_path, tiny_model_path, at_r
     assert message in str(error.value), str(error.value)
 
 
+def test_the_teacher_scores_on_the_students_device_mapped_ranks(tmp_path, tiny_model_path, at_repo_root):
+    mapped = run_overrides(tmp_path, tiny_model_path, tiny_model_path, "train.device_mapping=[0,1]")
+    cfg = load_config("examples/distill.yaml", mapped)
+    assert cfg.train.world_size == 2 and cfg.teacher.world_size == 2
+    unmapped = load_config("examples/distill.yaml", run_overrides(tmp_path, tiny_model_path, tiny_model_path))
+    assert unmapped.train.world_size == unmapped.teacher.world_size == 1
+    with pytest.raises(ConfigError, match=r"teacher.world_size is 1, but the teacher scores on the student"):
+        load_config("examples/distill.yaml", [*mapped, "teacher.world_size=1"])
+
+
 def test_preflight_refuses_a_teacher_with_another_tokenizer_and_k_beyond_the_vocabulary(
     tmp_path, tiny_model_path, at_repo_root
 ):

@@ -248,6 +248,13 @@ def test_bad_dpo_configs_are_refused_at_load_naming_the_key(tmp_path, at_repo_ro
     assert message in str(error.value), str(error.value)
 
 
+def test_the_dpo_trainer_takes_a_mapping_shared_by_its_reference(tmp_path, at_repo_root):
+    cfg = dpo_config(tmp_path, "actor.device_mapping=[0,1]")
+    assert cfg.actor.world_size == 2
+    with pytest.raises(ConfigError, match=r"actor.device_mapping: names device 5"):
+        dpo_config(tmp_path, "actor.device_mapping=[0,5]", "ray.num_gpus=2")
+
+
 def test_the_dpo_example_loads(tmp_path, at_repo_root):
     cfg = dpo_config(tmp_path)
     assert cfg.pipeline == "dpo" and cfg.reference.source == "precomputed" and cfg.dpo.losses == ["sigmoid"]

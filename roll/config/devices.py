@@ -1,7 +1,9 @@
 """Device mappings in a config: parse ``'range(0,4)'`` forms, derive world sizes, check the plan at load.
 
 Which devices each role gets is decided here, before Ray starts; ``roll.distributed.placement`` puts the
-workers there. Roles: ``actor`` (the reference model shares its devices), ``critic``, ``rollout``.
+workers there. Roles: ``actor`` (the reference model shares its devices; the RL warm start trains on
+them), ``critic``, ``rollout``, on-policy distillation's teachers, and ``train`` (SFT and offline
+distillation: the teacher scores on the student's devices).
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from typing import Any
 from roll.config.common import cluster_to_join
 from roll.distributed.device_mapping import RoleDevices, parse_device_mapping, role_devices, validate_plan
 
-# Config sections that may carry a device mapping.
-MAPPED_SECTIONS = ("actor", "critic", "rollout")
+# Config sections that may carry a device mapping (``train``: SFT's and offline distillation's trainer).
+MAPPED_SECTIONS = ("actor", "critic", "rollout", "train")
 
 
 TEACHER_PREFIX = "teacher_"  # role name of on-policy distillation's teacher <name>: teacher_<name>
@@ -42,7 +44,7 @@ def mapped_sections(config: Any) -> list[tuple[str, Any]]:
     sections = [(name, getattr(config, name, None)) for name in MAPPED_SECTIONS]
     teachers = getattr(getattr(config, "distill", None), "teachers", None) or {}
     sections += [(f"{TEACHER_PREFIX}{name}", teacher) for name, teacher in teachers.items()]
-    # A DPO actor or an offline-distillation teacher places no devices.
+    # An offline-distillation teacher or an RL warm start has no mapping of its own (the trainer's).
     return [(name, s) for name, s in sections if s is not None and hasattr(s, "device_mapping")]
 
 

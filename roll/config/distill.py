@@ -23,8 +23,12 @@ class TeacherConfig:
     """The teacher: a model sharing the student's tokenizer (same vocabulary, same ids)."""
 
     model_path: str = option(help="Local directory of the teacher, a Hugging Face causal LM.")
-    world_size: int = option(
-        1, gt=0, help="Teacher workers that score the dataset before training (stopped once it is cached)."
+    world_size: int | None = option(
+        None,
+        gt=0,
+        help="Teacher workers that score the dataset before training (stopped once it is cached). Unset: "
+        "the student's (train.world_size); with train.device_mapping it must be, the teacher scoring on "
+        "the student's devices.",
     )
 
 

@@ -11,13 +11,27 @@ from roll.config.validation import (
     check_reward,
     check_sequence_fits,
     check_sft_train,
+    trainer_devices,
 )
+
+
+def resolve_teacher(cfg: DistillConfig) -> list[str]:
+    """The teacher scores on the student's ranks when those are device-mapped (its devices are theirs)."""
+    teacher, train = cfg.teacher, cfg.train
+    if teacher.world_size is None:
+        teacher.world_size = train.world_size
+    elif train.device_mapping is not None and teacher.world_size != train.world_size:
+        return [
+            f"teacher.world_size is {teacher.world_size}, but the teacher scores on the student's "
+            f"{train.world_size} device-mapped ranks (train.device_mapping); remove it"
+        ]
+    return []
 
 
 def validate_distill(cfg: DistillConfig) -> list[str]:
     from roll.algorithms.distillation import DISTILL_OBJECTIVES
 
-    problems = out_of_bounds(cfg)
+    problems = out_of_bounds(cfg) or trainer_devices(cfg) or resolve_teacher(cfg)
     if problems:  # the checks below divide by these
         return problems
     problems = check_common(cfg) + check_sft_train(cfg.train, "train")

@@ -47,7 +47,16 @@ class PreferenceDataConfig:
 class DPOActorConfig:
     """The trained policy: optimisation over batches of preference pairs."""
 
-    world_size: int = option(1, gt=0, help="Data-parallel (FSDP2) training ranks.")
+    world_size: int | None = option(
+        None,
+        gt=0,
+        help="Data-parallel (FSDP2) training ranks. Unset: one per device of device_mapping, or 1.",
+    )
+    device_mapping: list[int] | None = option(
+        None,
+        help="Global device indices of the training ranks, a list or 'range(0,4)'; the reference worker "
+        "shares them. Unset: CPU ranks.",
+    )
     batch_size: int = option(32, gt=0, help="Pairs per optimizer step (global, across ranks).")
     micro_batch_size: int = option(
         32, gt=0, help="Pairs per forward/backward on one rank; each pair is two sequences in one pass."

@@ -14,12 +14,13 @@ from roll.config.validation import (
     check_sequence_fits,
     check_tiny_model,
     check_tracking,
+    trainer_devices,
 )
 from roll.data.columns import check_columns
 
 
 def validate_dpo(cfg: DPOConfig) -> list[str]:
-    problems = out_of_bounds(cfg)
+    problems = out_of_bounds(cfg) or trainer_devices(cfg)
     if problems:  # the checks below divide by these
         return problems
     problems = check_model(cfg.model) + check_tiny_model(cfg.model) + check_tracking(cfg.tracking)

@@ -37,7 +37,18 @@ class SFTTrainConfig:
         help="An update whose gradient norm is NaN or infinite: skip it (counted in sft/skipped_frac) or "
         "stop with an error naming the step.",
     )
-    world_size: int = option(1, gt=0, help="Data-parallel training ranks.")
+    world_size: int | None = option(
+        None,
+        gt=0,
+        help="Data-parallel (FSDP2) training ranks. Unset: one per device of device_mapping, or 1. In an RL "
+        "config's sft_warm_start: the actor's.",
+    )
+    device_mapping: list[int] | None = option(
+        None,
+        help="Global device indices of the training ranks, a list or 'range(0,4)' (distillation's teacher "
+        "scores on them first). Unset: CPU ranks. Not in an RL config's sft_warm_start: the warm start "
+        "trains on the actor's devices (actor.device_mapping).",
+    )
 
 
 @dataclass

@@ -10,6 +10,7 @@ import os
 import re
 import urllib.parse
 from pathlib import Path
+from typing import Any
 
 from roll.config.agentic import DEFAULT_STOP_POLICY, STOP_POLICIES, AgenticConfig
 from roll.config.common import EvalConfig, ModelConfig, TrackingConfig
@@ -280,7 +281,7 @@ def check_no_inference_roles(model: ModelConfig, pipeline: str) -> list[str]:
 
 def validate_sft(cfg: SFTConfig) -> list[str]:
     # Bounds first: the cross-field checks below divide by batch sizes and world sizes.
-    problems = out_of_bounds(cfg)
+    problems = out_of_bounds(cfg) or trainer_devices(cfg)
     if problems:
         return problems
     problems = check_common(cfg) + check_no_inference_roles(cfg.model, "sft")
@@ -548,7 +549,35 @@ def bounds_and_world_sizes(cfg: RLVRConfig | AgenticConfig) -> list[str]:
     sizes, from the device mappings: every batch-size check needs them."""
     from roll.config.devices import resolve_world_sizes
 
-    return out_of_bounds(cfg) or resolve_world_sizes(cfg)
+    return out_of_bounds(cfg) or resolve_world_sizes(cfg) or resolve_warm_start(cfg)
+
+
+def resolve_warm_start(cfg: RLVRConfig | AgenticConfig) -> list[str]:
+    """The RL warm start trains on the actor's devices, with the actor's ranks: no mapping of its own."""
+    warm, actor = cfg.sft_warm_start, cfg.actor
+    if warm is None:
+        return []
+    if warm.device_mapping is not None:
+        return [
+            "sft_warm_start.device_mapping: the warm start trains on the actor's devices; remove it and set "
+            "actor.device_mapping"
+        ]
+    if warm.world_size is None:
+        warm.world_size = actor.world_size if actor.device_mapping is not None else 1
+    elif actor.device_mapping is not None and warm.world_size != actor.world_size:
+        return [
+            f"sft_warm_start.world_size is {warm.world_size}, but the warm start trains on the actor's "
+            f"{actor.world_size} device-mapped ranks; remove it"
+        ]
+    return []
+
+
+def trainer_devices(cfg: Any) -> list[str]:
+    """A one-trainer pipeline's world sizes from its mapping (``train``, or DPO's ``actor``), then the
+    mapping's problems knowable before Ray starts."""
+    from roll.config.devices import check_devices, resolve_world_sizes
+
+    return resolve_world_sizes(cfg) or check_devices(cfg)
 
 
 def check_policy_training(cfg: RLVRConfig | AgenticConfig) -> list[str]:

@@ -136,12 +136,12 @@ class Cluster:
     ):
         """``plugins``: modules every worker imports at start (a config's ``imports``), found from the
         driver's working directory as well as the installed packages. ``placements`` (from
-        ``placement.place_role``, one per rank) pins each rank to its devices; without them Ray places
-        the actors freely (CPU-only roles). A worker class may declare ``concurrency_groups`` (name ->
-        threads) for methods marked ``@ray.method(concurrency_group=...)``: those run beside the rest
-        (e.g. an abort reaching a rollout engine while it generates); every worker also answers
-        heartbeats that way. ``liveness`` says how long a silent rank is tolerated while a call waits
-        on it and how often long calls report progress (``roll.distributed.liveness``)."""
+        ``placement.place_role``, one per rank) pins each rank to its devices; without them Ray places the
+        actors freely and they see no GPU (CPU-only roles). A worker class may declare ``concurrency_groups``
+        (name -> threads) for methods marked ``@ray.method(concurrency_group=...)``: those run beside the rest
+        (e.g. an abort reaching a rollout engine while it generates); every worker also answers heartbeats
+        that way. ``liveness`` says how long a silent rank is tolerated while a call waits on it and how often
+        long calls report progress (``roll.distributed.liveness``)."""
         if world_size < 1:
             raise ValueError(f"{role}: world_size must be >= 1 (got {world_size})")
         if placements is not None and len(placements) != world_size:
@@ -165,6 +165,10 @@ class Cluster:
                 options.update(placements[rank].options)
                 # The placement's CUDA_VISIBLE_DEVICES wins over Ray's one-GPU default and the caller's env.
                 rank_env = {**(env or {}), **placements[rank].env}
+            elif num_gpus_per_worker == 0:
+                # A CPU rank never sees a GPU: Ray leaves an actor that asks for none every GPU of its
+                # node, and torch would put every such rank on cuda:0.
+                rank_env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ""}
             self.workers.append(
                 remote_cls.options(**options).remote(
                     role, rank, world_size, config, rank_env, tuple(plugins), os.getcwd()

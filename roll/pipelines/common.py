@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,8 +16,12 @@ from roll.data.batch import Batch
 from roll.data.padding import left_pad, right_pad
 from roll.data.prompts import PromptSet
 from roll.distributed.cluster import Cluster
+from roll.distributed.device_mapping import RoleDevices
 from roll.strategies.sampling import SamplingParams
 from roll.tracking import Tracker, read_tracker_state
+
+if TYPE_CHECKING:
+    from roll.distributed.placement import DeviceTable, RankPlacement
 
 
 def prepare_model(model: ModelConfig, output_dir: str) -> str:
@@ -30,6 +34,27 @@ def prepare_model(model: ModelConfig, output_dir: str) -> str:
 
     hf_logging.disable_progress_bar()  # one shard of a tiny model needs no progress bar
     return str(save_tiny_model(model.tiny, Path(output_dir) / TINY_MODEL_DIR))
+
+
+def place_trainer(
+    role: RoleDevices, timeout_s: float
+) -> tuple[DeviceTable | None, list[RankPlacement] | None]:
+    """The devices of a pipeline that trains one model (SFT, DPO, offline distillation): the cluster's
+    device table, reserved until the run removes it, and one placement per rank of ``role`` (its reference
+    or teacher takes the same ones); ``(None, None)`` for CPU ranks. A mapping beyond the cluster's
+    devices is a ConfigError, before any model loads."""
+    from roll.config.loader import ConfigError
+    from roll.distributed.device_mapping import validate_plan
+    from roll.distributed.placement import DeviceTable, place_role
+
+    if role.device_mapping is None:
+        return None, None
+    table = DeviceTable.create(timeout_s=timeout_s)
+    problems = validate_plan([role], table.num_devices)
+    if problems:
+        table.remove()
+        raise ConfigError("invalid device mapping:\n" + "\n".join(f"  - {p}" for p in problems))
+    return table, place_role(role, table)
 
 
 def setup_trainer(actor: Cluster, blocking: bool = True) -> Any:

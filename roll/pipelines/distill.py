@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,10 +22,12 @@ from roll.data.columns import ANSWER
 from roll.data.dataset import PromptIterator
 from roll.data.prompts import PromptSet
 from roll.distributed.cluster import Cluster
+from roll.distributed.device_mapping import role_devices
 from roll.distributed.liveness import Liveness
 from roll.distributed.ray_utils import init_ray
 from roll.pipelines.common import (
     evaluate,
+    place_trainer,
     prepare_model,
     prompt_batch,
     response_tensors,
@@ -44,6 +47,9 @@ from roll.utils.signals import set_activity
 from roll.workers.actor import ActorSpec, ActorWorker, DistillLossSpec, OptimizerSpec
 from roll.workers.base import ModelSpec
 from roll.workers.reference import ReferenceWorker
+
+if TYPE_CHECKING:
+    from roll.distributed.placement import DeviceTable, RankPlacement
 
 TEACHER_FIELDS = ("teacher_indices", "teacher_logprobs")
 STUDENT_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", *TEACHER_FIELDS)
@@ -72,9 +78,14 @@ class DistillPipeline(RunLoop):
         # Each split's teacher outputs by row: lists of [T_i, k] ids and [T_i, S] log-probabilities.
         self.teacher: dict[str, dict[str, list[torch.Tensor]]] = {}
         self.order = PromptIterator(self.train_rows.rows, config.train.batch_size, seed=config.seed)
+        self.device_table: DeviceTable | None = None
+        self.placements: list[RankPlacement] | None = None
         self.run_dir = RunDirectory(config.output_dir, resume, overwrite)
         try:
             init_ray(config.ray)
+            # The trainer's devices (the teacher scores on them first), or CPU ranks.
+            devices = role_devices("train", config.train.device_mapping, config.train.world_size)
+            self.device_table, self.placements = place_trainer(devices, config.ray.call_timeout_s)
             write_resolved_config(config, config.output_dir)
             self.model_path = prepare_model(config.model, config.output_dir)
             self._start_student()
@@ -106,6 +117,7 @@ class DistillPipeline(RunLoop):
             cfg.ray.call_timeout_s,
             plugins=cfg.imports,
             liveness=Liveness.from_config(cfg.ray),
+            placements=self.placements,
         )
 
     @property
@@ -122,6 +134,9 @@ class DistillPipeline(RunLoop):
         if self.actor is not None:
             self.actor.kill()
             self.actor = None
+        if self.device_table is not None:
+            self.device_table.remove()
+            self.device_table = None
         self.run_dir.release()
 
     def restart_workers(self, lost: dict[str, list[int]]) -> str:

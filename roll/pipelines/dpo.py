@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,9 +20,16 @@ from roll.data.dataset import PromptIterator
 from roll.data.padding import left_pad, right_pad
 from roll.data.preferences import PreferenceSet
 from roll.distributed.cluster import Cluster
+from roll.distributed.device_mapping import role_devices
 from roll.distributed.liveness import Liveness
 from roll.distributed.ray_utils import init_ray
-from roll.pipelines.common import evaluate, prepare_model, setup_trainer, write_resolved_config
+from roll.pipelines.common import (
+    evaluate,
+    place_trainer,
+    prepare_model,
+    setup_trainer,
+    write_resolved_config,
+)
 from roll.pipelines.preflight import RunInputs, preflight
 from roll.pipelines.recovery import RestartBudget
 from roll.pipelines.reference_cache import cache_file, load_cached, model_fingerprint, save_cached
@@ -36,6 +44,9 @@ from roll.utils.signals import set_activity
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec, PreferenceLossSpec
 from roll.workers.base import ModelSpec
 from roll.workers.reference import ReferenceWorker
+
+if TYPE_CHECKING:
+    from roll.distributed.placement import DeviceTable, RankPlacement
 
 # What the workers read of a batch of pairs (the rest stays in the driver).
 PAIR_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", REJECTED_IDS, REJECTED_MASK)
@@ -71,9 +82,14 @@ class DPOPipeline(RunLoop):
         # precomputed: each split's reference values by row, filled before the first step.
         self.cached: dict[str, dict[str, torch.Tensor]] = {}
         self.order = PromptIterator(self.train_pairs.rows, config.actor.batch_size, seed=config.seed)
+        self.device_table: DeviceTable | None = None
+        self.placements: list[RankPlacement] | None = None
         self.run_dir = RunDirectory(config.output_dir, resume, overwrite)
         try:
             init_ray(config.ray)
+            # The trainer's devices (the reference worker shares them), or CPU ranks.
+            devices = role_devices("actor", config.actor.device_mapping, config.actor.world_size)
+            self.device_table, self.placements = place_trainer(devices, config.ray.call_timeout_s)
             write_resolved_config(config, config.output_dir)
             self.model_path = prepare_model(config.model, config.output_dir)
             self._start_workers()
@@ -116,6 +132,7 @@ class DPOPipeline(RunLoop):
             cfg.ray.call_timeout_s,
             plugins=cfg.imports,
             liveness=Liveness.from_config(cfg.ray),
+            placements=self.placements,
         )
 
     @property
@@ -138,6 +155,9 @@ class DPOPipeline(RunLoop):
         for cluster in self.clusters().values():
             cluster.kill()
         self.actor = self.reference = None
+        if self.device_table is not None:
+            self.device_table.remove()
+            self.device_table = None
         self.run_dir.release()
 
     def restart_workers(self, lost: dict[str, list[int]]) -> str:

@@ -170,7 +170,10 @@ class PolicyPipeline(RunLoop):
             ray=cfg.ray,
             **sections,
         )
-        return SFTPipeline(sft_config, inputs, name="SFT warm-start", overwrite=True).run()
+        # On the actor's devices (placed by this run's device table), with the actor's ranks.
+        placements = self.placements("actor")
+        warm = SFTPipeline(sft_config, inputs, "SFT warm-start", overwrite=True, placements=placements)
+        return warm.run()
 
     # ----- starting the roles --------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,10 +14,12 @@ from roll.data.columns import ANSWER
 from roll.data.dataset import PromptIterator
 from roll.data.padding import right_pad
 from roll.distributed.cluster import Cluster
+from roll.distributed.device_mapping import role_devices
 from roll.distributed.liveness import Liveness
 from roll.distributed.ray_utils import init_ray
 from roll.pipelines.common import (
     evaluate,
+    place_trainer,
     prepare_model,
     prompt_batch,
     response_tensors,
@@ -35,6 +38,9 @@ from roll.utils.signals import set_activity
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
 from roll.workers.base import ModelSpec
 
+if TYPE_CHECKING:
+    from roll.distributed.placement import DeviceTable, RankPlacement
+
 
 class SFTPipeline(RunLoop):
     def __init__(
@@ -44,13 +50,18 @@ class SFTPipeline(RunLoop):
         name: str = "SFT",
         resume: str | None = None,
         overwrite: bool = False,
+        placements: list[RankPlacement] | None = None,
     ):
         """``inputs``: what ``preflight(config)`` returned, when the caller ran it already; otherwise
         preflight runs here, before anything is written. ``name`` is how the line printed when the run
         is stopped calls this training ("SFT warm-start step 12 of 250"). ``resume`` and ``overwrite``:
-        see ``RunDirectory``."""
+        see ``RunDirectory``. ``placements``: the ranks' devices when the caller holds them (an RL warm
+        start on the actor's); otherwise ``train.device_mapping`` is placed here, or the ranks are CPU
+        ranks."""
         self.config = config
         self.name = name
+        self.placements = placements
+        self.device_table: DeviceTable | None = None
         inputs = inputs or preflight(config)
         self.tokenizer, self.train_rows, self.eval_prompts = inputs.tokenizer, inputs.train, inputs.eval
         self.eval_sampling = SamplingParams(max_new_tokens=config.eval.max_new_tokens, greedy=True)
@@ -59,6 +70,10 @@ class SFTPipeline(RunLoop):
         self.run_dir = RunDirectory(config.output_dir, resume, overwrite)
         try:
             init_ray(config.ray)
+            devices = role_devices("train", config.train.device_mapping, config.train.world_size)
+            self.world_size = len(placements) if placements is not None else devices.world_size
+            if placements is None:
+                self.device_table, self.placements = place_trainer(devices, config.ray.call_timeout_s)
             write_resolved_config(config, config.output_dir)
             self.model_path = prepare_model(config.model, config.output_dir)
             self._start_actor()
@@ -80,11 +95,12 @@ class SFTPipeline(RunLoop):
         self.actor = Cluster(
             "actor",
             ActorWorker,
-            train.world_size,
+            self.world_size,
             spec,
             config.ray.call_timeout_s,
             plugins=config.imports,
             liveness=Liveness.from_config(config.ray),
+            placements=self.placements,
         )
         setup_trainer(self.actor)
 
@@ -96,6 +112,9 @@ class SFTPipeline(RunLoop):
         if self.actor is not None:
             self.actor.kill()
             self.actor = None
+        if self.device_table is not None:  # a table the caller holds stays theirs
+            self.device_table.remove()
+            self.device_table = None
         self.run_dir.release()
 
     def step(self, step: int) -> dict[str, float]:
@@ -160,7 +179,7 @@ class SFTPipeline(RunLoop):
             batch_size=self.config.eval.batch_size,
             pad_id=self.tokenizer.pad_token_id,
             max_prompts=self.config.eval.max_prompts,
-            divisor=self.config.train.world_size,
+            divisor=self.world_size,
         )
 
     def score(self, batch: Batch) -> torch.Tensor:
