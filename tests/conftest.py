@@ -114,6 +114,23 @@ def quickstart_warm_start(quickstart_run) -> Path:
 
 
 @pytest.fixture(scope="module")
+def sft_batch(tiny_model_path: str):
+    """Four addition prompts with their answers as responses: the tiny model's SFT batch (tensors only)."""
+    from roll.data.prompts import PromptSet, render_prompt
+    from roll.models.loading import load_tokenizer
+    from roll.pipelines.common import prompt_batch, response_tensors
+
+    tokenizer = load_tokenizer(tiny_model_path)
+    rows = [{"prompt": f"{a}+{b}", "answer": str(a + b)} for a, b in [(1, 2), (30, 4), (55, 45), (9, 9)]]
+    texts = [render_prompt(tokenizer, r["prompt"], True) for r in rows]
+    prompts = PromptSet(rows, texts, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts])
+    result = prompt_batch(prompts, list(range(4)), tokenizer.pad_token_id)
+    for key, value in response_tensors(tokenizer, [r["answer"] for r in rows], length=4).items():
+        result[key] = value
+    return result.select_keys(result.tensors)
+
+
+@pytest.fixture(scope="module")
 def tokenizer(tiny_model_path: str):
     """The tiny model's tokenizer, loaded through the real loading code."""
     from roll.models.loading import load_tokenizer

@@ -10,55 +10,18 @@ import json
 
 import pytest
 import torch
+from in_process_actor import Actor, weights
 
 from roll.config.common import ModelConfig
 from roll.config.loader import ConfigError, load_config
 from roll.data.batch import Batch
-from roll.data.prompts import PromptSet, render_prompt
-from roll.models.loading import load_tokenizer
-from roll.pipelines.common import prompt_batch, response_tensors
 from roll.pipelines.worker_specs import plan_workers, probe_spec
 from roll.strategies.fsdp import is_sharded, local_tensor
-from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
-from roll.workers.base import ModelSpec
 
 
-@pytest.fixture(scope="module")
-def batch(tiny_model_path: str) -> Batch:
-    """Four prompts and target answers: an SFT batch."""
-    tokenizer = load_tokenizer(tiny_model_path)
-    rows = [{"prompt": f"{a}+{b}", "answer": str(a + b)} for a, b in [(1, 2), (30, 4), (55, 45), (9, 9)]]
-    texts = [render_prompt(tokenizer, r["prompt"], True) for r in rows]
-    prompts = PromptSet(rows, texts, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts])
-    result = prompt_batch(prompts, list(range(4)), tokenizer.pad_token_id)
-    for key, value in response_tensors(tokenizer, [r["answer"] for r in rows], length=4).items():
-        result[key] = value
-    return result.select_keys(result.tensors)
-
-
-class Actor:
-    """The real actor worker in this process; its (one-rank) process group is torn down on exit, so the
-    next one can make its own."""
-
-    def __init__(self, path: str, dtype: str, lr: float = 1e-6, sync_dtype: str | None = None) -> None:
-        spec = ActorSpec(
-            model=ModelSpec(path=path, dtype=dtype),
-            optimizer=OptimizerSpec(lr=lr, total_steps=10),
-            micro_batch_size=4,
-            sync_dtype=sync_dtype,
-        )
-        self.worker = ActorWorker("actor", 0, 1, spec)
-
-    def __enter__(self) -> ActorWorker:
-        self.worker.setup()
-        return self.worker
-
-    def __exit__(self, *_: object) -> None:
-        self.worker.shutdown()
-
-
-def weights(worker: ActorWorker) -> dict[str, torch.Tensor]:
-    return {name: local_tensor(p).detach().clone() for name, p in worker.model.named_parameters()}
+@pytest.fixture
+def batch(sft_batch: Batch) -> Batch:
+    return sft_batch
 
 
 def test_bf16_compute_keeps_float32_weights_and_a_tiny_step_moves_them(tiny_model_path, batch) -> None:

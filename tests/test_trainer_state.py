@@ -11,12 +11,10 @@ import pytest
 import torch
 
 from roll.data.batch import Batch
-from roll.data.prompts import PromptSet, render_prompt
 from roll.distributed.cluster import Cluster, WorkerError
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.worker import register
-from roll.models.loading import load_tokenizer
-from roll.pipelines.common import prompt_batch, response_tensors, setup_trainer
+from roll.pipelines.common import setup_trainer
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
 from roll.workers.base import ModelSpec
 
@@ -51,16 +49,9 @@ class PoisonableActor(ActorWorker):
         self.config = dataclasses.replace(self.config, nonfinite_grads=choice)
 
 
-@pytest.fixture(scope="module")
-def batch(tiny_model_path: str) -> Batch:
-    tokenizer = load_tokenizer(tiny_model_path)
-    rows = [{"prompt": f"{a}+{b}", "answer": str(a + b)} for a, b in [(1, 2), (30, 4), (55, 45), (9, 9)]]
-    texts = [render_prompt(tokenizer, r["prompt"], True) for r in rows]
-    prompts = PromptSet(rows, texts, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts])
-    result = prompt_batch(prompts, list(range(4)), tokenizer.pad_token_id)
-    for key, value in response_tensors(tokenizer, [r["answer"] for r in rows], length=4).items():
-        result[key] = value
-    return result
+@pytest.fixture
+def batch(sft_batch: Batch) -> Batch:
+    return sft_batch
 
 
 def start(tiny_model_path: str, world_size: int = 1, **changes: object) -> Cluster:

@@ -46,6 +46,16 @@ class ModelConfig:
         "sent in it) and distillation teachers. Unset: model.dtype.",
     )
 
+    attn_implementation: Literal[
+        "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"
+    ] = option(
+        "sdpa",
+        help="The attention kernel of every role that loads the model (transformers' "
+        "attn_implementation): sdpa (torch's scaled_dot_product_attention), eager, or a FlashAttention "
+        "build when installed (flash_attention_2 needs the flash-attn package and a bfloat16/float16 "
+        "dtype). Checked before the run starts.",
+    )
+
     def inference(self) -> str:
         """The dtype of the inference-only roles: ``inference_dtype``, else ``dtype``."""
         return self.inference_dtype or self.dtype

@@ -68,6 +68,12 @@ class DPOActorConfig:
         "linear", help="Learning-rate schedule after warmup; linear/cosine decay to 0 at the last step."
     )
     max_grad_norm: float = option(1.0, ge=0, help="Gradient-norm clip (0 disables).")
+    gradient_checkpointing: bool = option(
+        False,
+        help="Recompute each transformer block's activations in the backward pass instead of keeping them "
+        "(transformers' gradient checkpointing, non-reentrant, applied before FSDP2): activation memory "
+        "of one block instead of all, for about one more forward per step.",
+    )
     nonfinite_grads: Literal["skip", "stop"] = option(
         "skip",
         help="An update whose gradient norm is NaN or infinite: skip it (counted in dpo/skipped_frac) or "

@@ -189,6 +189,12 @@ class TrainerConfig:
         help="Dynamic micro-batches: pack samples up to this many real (prompt + response) tokens per "
         "forward/backward instead of micro_batch_size samples (unset: fixed micro_batch_size).",
     )
+    gradient_checkpointing: bool = option(
+        False,
+        help="Recompute each transformer block's activations in the backward pass instead of keeping them "
+        "(transformers' gradient checkpointing, non-reentrant, applied before FSDP2): activation memory "
+        "of one block instead of all, for about one more forward per step.",
+    )
 
 
 @dataclass

@@ -32,6 +32,11 @@ def check_model(model: ModelConfig) -> list[str]:
             "model.dtype: float16 training needs loss scaling, which ROLL does not do; use bfloat16 "
             "(same memory, float32's range). model.inference_dtype may be float16"
         )
+    from roll.models.loading import attention_problem
+
+    attention = attention_problem(model.attn_implementation, [model.dtype, model.inference()])
+    if attention is not None:
+        problems.append(f"model.attn_implementation: {attention}")
     if model.path is None and model.tiny is None:
         return [
             *problems,

@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -126,23 +126,77 @@ def turn_stop_ids(
     return tuple(dict.fromkeys([*end_of_sequence_ids(tokenizer, holder), *(int(i) for i in extra)]))
 
 
-def load_causal_lm(
-    path: str | os.PathLike, dtype: str = "float32", device: str | torch.device = "cpu"
-) -> PreTrainedModel:
-    """The causal LM saved at ``path`` with parameters in ``dtype`` (a torch dtype name), on ``device``."""
-    import torch
-    from transformers import AutoModelForCausalLM
+# The package each FlashAttention kernel of transformers imports (sdpa, eager and flex_attention are torch's).
+ATTENTION_PACKAGES = {"flash_attention_2": "flash-attn", "flash_attention_3": "flash-attn-3"}
+_ATTENTION_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 
-    check_model_path(path, tokenizer=False)
+
+def attention_problem(attn_implementation: str, dtypes: Sequence[str]) -> str | None:
+    """Why ``attn_implementation`` cannot run here with weights in ``dtypes``, or None: a FlashAttention
+    kernel needs its package installed and computes in bfloat16 or float16 only."""
+    import importlib.util
+
+    module = _ATTENTION_MODULES.get(attn_implementation)
+    if module is None:
+        return None
+    if importlib.util.find_spec(module) is None:
+        return (
+            f"{attn_implementation} needs the {ATTENTION_PACKAGES[attn_implementation]} package, which is "
+            "not installed; install it (CUDA only) or use sdpa"
+        )
+    if "float32" in dtypes:
+        return f"{attn_implementation} computes in bfloat16 or float16 only; set model.dtype: bfloat16"
+    return None
+
+
+def _torch_dtype(dtype: str) -> torch.dtype:
+    import torch
+
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"dtype {dtype!r} is not a torch dtype name (e.g. float32, bfloat16, float16)")
-    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch_dtype)
+    return torch_dtype
+
+
+def _from_pretrained(
+    auto_class: Any, path: str | os.PathLike, attn_implementation: str, **kwargs: Any
+) -> Any:
+    """``auto_class.from_pretrained`` with the attention kernel, naming the option when the model's class
+    does not offer it."""
+    try:
+        return auto_class.from_pretrained(
+            str(path), local_files_only=True, attn_implementation=attn_implementation, **kwargs
+        )
+    except (ImportError, ValueError) as e:
+        if "attention" not in str(e).lower() and "attn" not in str(e).lower():
+            raise
+        reason = str(e).rstrip(".")
+        raise ValueError(
+            f"model.attn_implementation={attn_implementation} cannot load {path}: {reason}. Use sdpa or eager"
+        ) from e
+
+
+def load_causal_lm(
+    path: str | os.PathLike,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+) -> PreTrainedModel:
+    """The causal LM saved at ``path`` with parameters in ``dtype`` (a torch dtype name), on ``device``,
+    attending with transformers' ``attn_implementation``."""
+    from transformers import AutoModelForCausalLM
+
+    check_model_path(path, tokenizer=False)
+    torch_dtype = _torch_dtype(dtype)
+    model = _from_pretrained(AutoModelForCausalLM, path, attn_implementation, dtype=torch_dtype)
     return model.to(device)
 
 
 def load_value_model(
-    path: str | os.PathLike, dtype: str = "float32", device: str | torch.device = "cpu"
+    path: str | os.PathLike,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
 ) -> PreTrainedModel:
     """A value model: the transformer saved at ``path`` with a scalar head on every position (``score``).
 
@@ -154,15 +208,18 @@ def load_value_model(
     from transformers.utils import logging as hf_logging
 
     check_model_path(path, tokenizer=False)
-    torch_dtype = getattr(torch, dtype, None)
-    if not isinstance(torch_dtype, torch.dtype):
-        raise ValueError(f"dtype {dtype!r} is not a torch dtype name (e.g. float32, bfloat16, float16)")
+    torch_dtype = _torch_dtype(dtype)
     config = AutoConfig.from_pretrained(str(path), local_files_only=True, num_labels=1)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the "newly initialized head" report is expected here, not a problem
     try:
-        model, info = AutoModelForTokenClassification.from_pretrained(
-            str(path), config=config, local_files_only=True, dtype=torch_dtype, output_loading_info=True
+        model, info = _from_pretrained(
+            AutoModelForTokenClassification,
+            path,
+            attn_implementation,
+            config=config,
+            dtype=torch_dtype,
+            output_loading_info=True,
         )
     finally:
         hf_logging.set_verbosity(verbosity)

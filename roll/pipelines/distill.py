@@ -98,7 +98,7 @@ class DistillPipeline(RunLoop):
         spec = from_section(
             ActorSpec,
             train,
-            model=ModelSpec(path=self.model_path, dtype=cfg.model.dtype, seed=cfg.seed),
+            model=from_section(ModelSpec, cfg.model, path=self.model_path, seed=cfg.seed),
             optimizer=from_section(OptimizerSpec, train, total_steps=train.steps),
             distill=from_section(DistillLossSpec, cfg.distill),
             collective_timeout_s=cfg.ray.call_timeout_s,
@@ -181,7 +181,11 @@ class DistillPipeline(RunLoop):
         cfg = self.config
         set_activity("starting the teacher")
         start = time.perf_counter()
-        spec = ModelHolder(ModelSpec(path=cfg.teacher.model_path, dtype=cfg.model.inference(), seed=cfg.seed))
+        spec = ModelHolder(
+            from_section(
+                ModelSpec, cfg.model, path=cfg.teacher.model_path, dtype=cfg.model.inference(), seed=cfg.seed
+            )
+        )
         teacher = self._cluster("teacher", ReferenceWorker, cfg.teacher.world_size, spec)
         try:
             teacher.setup()

@@ -101,7 +101,7 @@ class DPOPipeline(RunLoop):
 
     def _start_workers(self) -> None:
         cfg, actor = self.config, self.config.actor
-        model = ModelSpec(path=self.model_path, dtype=cfg.model.dtype, seed=cfg.seed)
+        model = from_section(ModelSpec, cfg.model, path=self.model_path, seed=cfg.seed)
         spec = from_section(
             ActorSpec,
             actor,

@@ -87,7 +87,7 @@ class SFTPipeline(RunLoop):
         spec = from_section(
             ActorSpec,
             train,
-            model=ModelSpec(path=self.model_path, dtype=config.model.dtype, seed=config.seed),
+            model=from_section(ModelSpec, config.model, path=self.model_path, seed=config.seed),
             optimizer=from_section(OptimizerSpec, train, total_steps=train.steps),
             collective_timeout_s=config.ray.call_timeout_s,
         )

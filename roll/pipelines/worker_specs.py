@@ -106,7 +106,7 @@ def plan_workers(cfg: RLVRConfig, model_path: str, rows_vary: bool = False) -> R
     trainers split every batch into the same number of mini-batches (``mini_batches_per_epoch``), so the
     LR schedule spans exactly the optimizer steps taken, whatever the episodes' lengths."""
     rollout = cfg.rollout
-    model = ModelSpec(path=model_path, dtype=cfg.model.dtype, seed=cfg.seed)
+    model = from_section(ModelSpec, cfg.model, path=model_path, seed=cfg.seed)
     inference_model = dataclasses.replace(model, dtype=cfg.model.inference())
     samples = rollout.rollout_batch_size * rollout.num_return_sequences
     timeout = cfg.ray.call_timeout_s

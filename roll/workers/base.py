@@ -21,6 +21,7 @@ class ModelSpec:
     path: str
     dtype: str = "float32"  # what the model computes in (trainers hold float32 weights, see TrainerWorker)
     seed: int = 0
+    attn_implementation: str = "sdpa"  # transformers' attention kernel (model.attn_implementation)
 
 
 # The cores a run's workers may use on each node (default: all of them): set it when other work shares the
@@ -76,7 +77,9 @@ class ModelWorker(Worker):
         """The worker's model on ``self.device``: a causal LM here; the critic loads a value model."""
         from roll.models.loading import load_causal_lm
 
-        return load_causal_lm(spec.path, dtype=self.weights_dtype(spec), device=self.device)
+        return load_causal_lm(
+            spec.path, self.weights_dtype(spec), self.device, attn_implementation=spec.attn_implementation
+        )
 
     def weights_dtype(self, spec: ModelSpec) -> str:
         """The dtype the weights are held in: the one the model computes in (trainers keep float32)."""

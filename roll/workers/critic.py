@@ -30,7 +30,9 @@ class CriticWorker(TrainerWorker):
     def load_model(self, spec: ModelSpec) -> torch.nn.Module:
         from roll.models.loading import load_value_model
 
-        return load_value_model(spec.path, dtype=self.weights_dtype(spec), device=self.device)
+        return load_value_model(
+            spec.path, self.weights_dtype(spec), self.device, attn_implementation=spec.attn_implementation
+        )
 
     @register(Dispatch.DP_COMPUTE)
     def compute_values(self, batch: Batch) -> Batch:

@@ -56,6 +56,8 @@ class TrainerSpec:
     # A step whose gradient norm is NaN or infinite: "skip" leaves weights, optimizer and LR schedule
     # untouched (counted in ``skipped_frac``); "stop" raises NonFiniteGradientError.
     nonfinite_grads: str = "skip"
+    # Recompute each block's activations in backward (transformers' non-reentrant checkpointing).
+    gradient_checkpointing: bool = False
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -101,6 +103,13 @@ class TrainerWorker(ModelWorker):
         spec: TrainerSpec = self.config
         compute_dtype = getattr(torch, spec.model.dtype)
         mixed = compute_dtype != torch.float32
+        if spec.gradient_checkpointing:
+            # Before sharding: FSDP2 then wraps the checkpointed blocks, and non-reentrant recomputation
+            # gathers a block's weights again in backward like any other use of them.
+            # transformers renamed it in 5.x; the old name warns there, and is all that 5.0 has.
+            enable = getattr(self.model, "activation_checkpointing_enable", None)
+            enable = enable or self.model.gradient_checkpointing_enable
+            enable({"use_reentrant": False})
         if self.world_size > 1 or mixed:
             from roll.strategies.fsdp import shard_model
 
