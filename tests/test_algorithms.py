@@ -84,13 +84,28 @@ def test_logit_helpers_chunking_and_half_precision(monkeypatch):
     reference_entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
 
     # Chunks of 4 rows over 15 flattened rows: the last chunk is partial.
-    monkeypatch.setattr(F, "_LOGIT_CHUNK_ROWS", 4)
+    monkeypatch.setattr(F, "_LOGIT_CHUNK_ELEMENTS", 4 * 7)
     close(F.logprobs_from_logits(logits, labels), reference_logprobs)
     close(F.entropy_from_logits(logits), reference_entropy)
 
     out = F.logprobs_from_logits(logits.bfloat16(), labels)
     assert out.dtype == torch.float32  # upcast before log-softmax
     close(out, reference_logprobs, atol=0.05)
+
+    # The temperature is applied chunk by chunk, as if the logits had been divided first.
+    close(F.logprobs_from_logits(logits, labels, 0.7), F.logprobs_from_logits(logits / 0.7, labels))
+    close(F.entropy_from_logits(logits, 0.7), F.entropy_from_logits(logits / 0.7))
+
+    # Gradients through the chunks (each recomputed in the backward pass) are the unchunked ones.
+    weights = torch.randn(3, 5)
+    chunked, plain = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss = (F.logprobs_from_logits(chunked, labels, 0.7) + F.entropy_from_logits(chunked, 0.7)) * weights
+    loss.sum().backward()
+    scaled = plain / 0.7
+    by_hand = torch.log_softmax(scaled, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    by_hand = by_hand - (torch.softmax(scaled, -1) * torch.log_softmax(scaled, -1)).sum(-1)
+    (by_hand * weights).sum().backward()
+    close(chunked.grad, plain.grad)
 
 
 # --------------------------------------------------------------------------------------- advantages

@@ -265,6 +265,31 @@ def test_bfloat16_logits_are_computed_in_float32():
     assert forward_kl(t.bfloat16(), s.bfloat16()).dtype == torch.float32
 
 
+@pytest.mark.parametrize("tail", ["renormalize", "extra_class"])
+def test_chunks_of_positions_give_the_whole_tensors_values_and_gradients(monkeypatch, tail):
+    """The teacher's top-k and the student's support are computed a few positions at a time (here 2 of the
+    6, so 3 chunks) with no float32 copy of the whole logits: values and gradients are the one-pass ones."""
+    import roll.algorithms.functional as F
+    from roll.algorithms.distillation import _support
+
+    teacher, student = logits(20).bfloat16(), logits(21)
+    whole_indices = torch.topk(teacher.float(), 3, dim=-1).indices
+    whole_teacher = _support(teacher.float(), whole_indices, tail)
+    plain = student.clone().requires_grad_()
+    whole_student = _support(plain, whole_indices, tail)
+    monkeypatch.setattr(F, "_LOGIT_CHUNK_ELEMENTS", 2 * V)
+    indices, teacher_logprobs = teacher_topk(teacher, 3, tail)
+    assert torch.equal(indices, whole_indices)
+    close(teacher_logprobs, whole_teacher)
+    chunked = student.clone().requires_grad_()
+    student_logprobs = student_on_support(chunked, indices, tail)
+    close(student_logprobs, whole_student)
+    weights = torch.randn(student_logprobs.shape)
+    (student_logprobs * weights).sum().backward()
+    (whole_student * weights).sum().backward()
+    close(chunked.grad, plain.grad)
+
+
 # ------------------------------------------------------------------------------------- advantages
 
 # Row 0: a hole at t = 2 (an environment token) and padding at t = 4 (log-probabilities -inf there).

@@ -390,11 +390,13 @@ def test_a_resumed_dpo_run_matches_the_uninterrupted_one_even_with_its_cache_del
 def test_preference_pairs_from_the_models_own_samples_raise_its_held_out_score(
     tmp_path, quickstart_warm_start, repo_root, at_repo_root, ray_session
 ):
-    """The README's DPO demonstration, shortened: pairs from the quickstart warm start's own samples (the
-    same model as examples/sft_start.yaml's) on 1000 training prompts (chosen right, rejected wrong), then
-    100 steps of DPO with RPO's SFT term. DPO's sigmoid loss
-    alone needs the pairs of all 4000 prompts (README: +0.175 and +0.205 held-out in 200 steps); on these
-    388 pairs it overfits, and the SFT term on the chosen answers keeps it learning (measured +0.10)."""
+    """The README's DPO demonstration, shortened: pairs from the tests' quickstart warm start's own samples
+    on 1000 training prompts (chosen right, rejected wrong), then 100 steps of DPO with RPO's SFT term.
+    DPO's sigmoid loss alone needs the pairs of all 4000 prompts (README: +0.175 and +0.205 held-out in
+    200 steps); on these few hundred pairs it overfits, and the SFT term on the chosen answers keeps it
+    learning: from eight warm starts between 0.145 and 0.325 held-out it gained +0.065 to +0.315 (mean
+    +0.19, standard deviation 0.08), so the bar is +0.03, twice that deviation below the mean (it was
+    +0.06, which the warm start at 0.31 cleared by 0.005). A warm start at 0.06 gave only 264 pairs."""
     from roll.pipelines import run_pipeline
     from roll.preference_pairs import sample_preference_pairs, write_jsonl
 
@@ -422,6 +424,6 @@ def test_preference_pairs_from_the_models_own_samples_raise_its_held_out_score(
     run_pipeline(load_config("examples/dpo.yaml", run))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     scores = [row["eval/score"] for row in rows if "eval/score" in row]
-    assert len(scores) == 3 and scores[-1] >= scores[0] + 0.06, scores
+    assert len(scores) == 3 and scores[-1] >= scores[0] + 0.03, scores
     trained = [row for row in rows if "rewards/accuracies" in row]
     assert trained[-1]["rewards/accuracies"] > 0.8 and trained[-1]["rewards/margins"] > 0, trained[-1]

@@ -378,19 +378,20 @@ def test_lora_quickstart_learns_syncing_only_the_adapter(
     that `roll export --merge` turns into a model.
 
     The run starts from the session's quickstart warm start (conftest's ``quickstart_warm_start``): the
-    LoRA example's own warm start is the same SFT, bit for bit (the adapter trains only in RL), so making
-    it again here only cost time. 100 steps measured 0.14 -> 0.26 held-out (+0.12, the 150 steps before
-    them +0.105), twice the +0.05 the test asks for."""
+    LoRA example's own warm start is the same SFT (the adapter trains only in RL), so making it again here
+    only cost time. From the warm starts of four seeds (0.235-0.325 held-out), 200 steps gained +0.155,
+    +0.225, +0.16 and +0.235; 100 steps gained between 0 and +0.12, too little to ask for +0.05 (the
+    test once passed or failed with the warm start's rounding)."""
     from test_pipelines_cli import metrics, roll_train
 
-    out, n = tmp_path / "run", 100
+    out, n = tmp_path / "run", 200
     overrides = [f"output_dir={out}", f"steps={n}", f"eval.every_steps={n}", "tracking.backends=[jsonl]"]
     overrides += [f"model.path={quickstart_warm_start}", "model.tiny=null", "sft_warm_start=null"]
     roll_train(repo_root, "examples/quickstart_lora.yaml", *overrides, env={"RAY_ADDRESS": ray_address})
     rows = metrics(out)
     evals = [(row["step"], row["eval/score"]) for row in rows if "eval/score" in row]
     assert [step for step, _ in evals] == [0, n]
-    assert evals[-1][1] >= evals[0][1] + 0.05, evals
+    assert evals[-1][1] >= evals[0][1] + 0.1, evals
     steps = [row for row in rows if "time/step_s" in row]
     # Rank-8 adapters on the 7 linear layers of 2 blocks: 45,056 float32 weights a sync, every sync.
     assert {row["sync/bytes"] for row in steps} == {45056 * 4}

@@ -12,6 +12,7 @@ The run is conftest's session fixture ``quickstart_run``: its SFT warm start als
 from __future__ import annotations
 
 import pytest
+import yaml
 from test_pipelines_cli import metrics
 
 
@@ -19,7 +20,8 @@ from test_pipelines_cli import metrics
 def test_shortened_quickstart_runs_every_stage(quickstart_run):
     """The quickstart through `roll train` (SFT warm start, then 30 GRPO steps) runs every stage, logs every
     metric and writes its artifacts: the one end-to-end run of the README's command inside the suite."""
-    output_dir, result = quickstart_run  # roll train examples/quickstart.yaml steps=30 eval.every_steps=15
+    # roll train examples/quickstart.yaml steps=30 eval.every_steps=15 sft_warm_start.steps=300
+    output_dir, result = quickstart_run
 
     rows = metrics(output_dir)
     evals = [(row["step"], row["eval/score"]) for row in rows if "eval/score" in row]
@@ -44,11 +46,13 @@ def test_shortened_quickstart_runs_every_stage(quickstart_run):
         assert key in train_rows[-1], key
     assert (output_dir / "model" / "config.json").is_file()
     assert (output_dir / "sft" / "model" / "config.json").is_file()
-    # The SFT pipeline learns: the warm start's loss more than halves over its 250 steps (measured 2.98 ->
-    # 0.80) and its held-out score rises from 0 (a random model's) to about 0.15 (asked: +0.1).
+    # The SFT pipeline learns: the warm start's loss more than halves over its 300 steps (measured 2.98 ->
+    # 0.66-0.78) and its held-out score rises from 0 (a random model's) to 0.235-0.325 over five seeds
+    # (asked: +0.1).
     sft_rows = metrics(output_dir / "sft")
     losses = [row["sft/loss"] for row in sft_rows if "sft/loss" in row]
-    assert len(losses) == 250 and losses[-1] < 0.5 * losses[0], losses[::25]
+    warm_start_steps = yaml.safe_load((output_dir / "config.yaml").read_text())["sft_warm_start"]["steps"]
+    assert len(losses) == warm_start_steps and losses[-1] < 0.5 * losses[0], losses[::25]
     sft_evals = [row["eval/score"] for row in sft_rows if "eval/score" in row]
     assert sft_evals[-1] >= sft_evals[0] + 0.1, sft_evals
     assert (output_dir / "config.yaml").is_file()

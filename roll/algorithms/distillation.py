@@ -39,6 +39,7 @@ from collections.abc import Callable
 
 import torch
 
+from roll.algorithms.functional import by_logit_chunks, logit_chunk_rows
 from roll.utils.registry import Registry
 
 DistillFn = Callable[..., torch.Tensor]
@@ -112,29 +113,55 @@ def teacher_topk(teacher_logits: torch.Tensor, k: int, tail: str) -> tuple[torch
           log of the remaining mass (``-inf`` when ``k == V``).
     """
     _check_tail(tail)
-    with torch.no_grad():
-        logits = _at_least_float32(teacher_logits.detach())
-        vocab = logits.shape[-1]
-        if not 1 <= k <= vocab:
-            raise ValueError(f"top-k needs 1 <= k <= vocabulary size {vocab}, got k={k}")
-        indices = torch.topk(logits, k, dim=-1).indices
-        return indices, _support(logits, indices, tail)
+    vocab = teacher_logits.shape[-1]
+    if not 1 <= k <= vocab:
+        raise ValueError(f"top-k needs 1 <= k <= vocabulary size {vocab}, got k={k}")
+    lead = teacher_logits.shape[:-1]
+    flat = teacher_logits.detach().reshape(-1, vocab)
+    indices, logprobs = [], []
+    with torch.no_grad():  # a chunk of positions at a time: no float32 copy of the whole logits
+        for chunk in flat.split(logit_chunk_rows(vocab)):
+            chunk = _at_least_float32(chunk)
+            top = torch.topk(chunk, k, dim=-1).indices
+            indices.append(top)
+            logprobs.append(_support(chunk, top, tail))
+    width = k if tail == "renormalize" else k + 1
+    if not indices:
+        empty = flat.new_zeros((*lead, k), dtype=torch.long)
+        return empty, flat.new_zeros((*lead, width), dtype=torch.float32)
+    return torch.cat(indices).reshape(*lead, k), torch.cat(logprobs).reshape(*lead, width)
 
 
 def student_on_support(student_logits: torch.Tensor, indices: torch.Tensor, tail: str) -> torch.Tensor:
     """The student's distribution over the teacher's cached support, differentiable.
 
+    Computed in float32 a chunk of positions at a time (each recomputed in backward), so no float32
+    copy of the whole ``[..., V]`` logits exists, in the forward pass or the backward.
+
     Args:
-        student_logits: ``[..., V]`` (computed in float32).
+        student_logits: ``[..., V]``, any float dtype.
         indices: ``[..., k]`` long, from ``teacher_topk``.
         tail: the tail the teacher was cached with.
 
     Returns:
-        ``[..., S]`` log-probabilities matching ``teacher_topk``'s: ``renormalize`` the log-softmax of
-        the ``k`` gathered logits; ``extra_class`` the ``k`` tokens' full-softmax log-probabilities plus
-        the log of the student's mass on every other token.
+        ``[..., S]`` float32 log-probabilities matching ``teacher_topk``'s: ``renormalize`` the
+        log-softmax of the ``k`` gathered logits; ``extra_class`` the ``k`` tokens' full-softmax
+        log-probabilities plus the log of the student's mass on every other token.
     """
-    return _support(_at_least_float32(student_logits), indices, tail)
+    _check_tail(tail)
+    k, vocab = indices.shape[-1], student_logits.shape[-1]
+    lead = indices.shape[:-1]
+    flat = by_logit_chunks(
+        _student_support, student_logits.reshape(-1, vocab), indices.reshape(-1, k), tail=tail
+    )
+    width = k if tail == "renormalize" else k + 1
+    if flat is None:
+        return student_logits.new_zeros((*lead, width), dtype=torch.float32)
+    return flat.reshape(*lead, width)
+
+
+def _student_support(rows: torch.Tensor, indices: torch.Tensor, tail: str) -> torch.Tensor:
+    return _support(_at_least_float32(rows), indices, tail)
 
 
 def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:

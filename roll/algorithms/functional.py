@@ -6,13 +6,17 @@ mask is used as a weight (1 = counts, 0 = padding or environment tokens).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 Dim = int | tuple[int, ...] | None
 
-# Rows of flattened logits processed at once by the logit helpers: bounds the float32 temporaries
-# (rows x vocab) that log-softmax needs, which for a 150k vocabulary would otherwise be gigabytes.
-_LOGIT_CHUNK_ROWS = 1024
+# Logits processed at once by the logit helpers (rows x vocab, rounded down to whole rows): bounds the
+# float32 temporaries log-softmax needs to about 128 MB each (220 rows of a 152k vocabulary; 1024 rows
+# made 0.6 GB ones, a third of the logprob pass's peak in benchmarks/train_memory.py).
+_LOGIT_CHUNK_ELEMENTS = 1 << 25
 
 
 def _as_weight(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -98,54 +102,90 @@ def masked_whiten(
     return whitened if shift_mean else whitened + mean
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each label under the softmax of ``logits``.
+def _scaled(rows: torch.Tensor, temperature: float) -> torch.Tensor:
+    """One chunk of logits in float32, divided by ``temperature`` (a new tensor only where needed)."""
+    rows = rows.float()
+    return rows / temperature if temperature != 1.0 else rows
+
+
+def _label_logprobs(rows: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    scaled = _scaled(rows, temperature)
+    return scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+
+
+def _entropies(rows: torch.Tensor, temperature: float) -> torch.Tensor:
+    scaled = _scaled(rows, temperature)
+    return torch.logsumexp(scaled, dim=-1) - (torch.softmax(scaled, dim=-1) * scaled).sum(dim=-1)
+
+
+def logit_chunk_rows(vocab: int) -> int:
+    """Rows of ``[N, vocab]`` logits processed at once: about ``_LOGIT_CHUNK_ELEMENTS`` logits."""
+    return max(1, _LOGIT_CHUNK_ELEMENTS // max(1, vocab))
+
+
+def by_logit_chunks(
+    fn: Callable[..., torch.Tensor], flat_logits: torch.Tensor, *per_row: torch.Tensor, **kw: Any
+) -> torch.Tensor | None:
+    """``fn(chunk, *per_row chunks, **kw)`` over chunks of rows of ``flat_logits [N, V]`` (about
+    ``_LOGIT_CHUNK_ELEMENTS`` logits each), concatenated; None for no rows. With gradients, each chunk is
+    recomputed in the backward pass: autograd would otherwise keep every chunk's float32 copy, together
+    the whole float32 logits that chunking is meant to avoid."""
+    from torch.utils.checkpoint import checkpoint
+
+    grad = torch.is_grad_enabled() and flat_logits.requires_grad
+    rows = logit_chunk_rows(flat_logits.shape[-1])
+    parts = [part.split(rows) for part in (flat_logits, *per_row)]
+    out = []
+    for chunk in zip(*parts):
+        if grad:
+            out.append(checkpoint(fn, *chunk, use_reentrant=False, **kw))
+        else:
+            out.append(fn(*chunk, **kw))
+    return torch.cat(out) if out else None
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Log-probability of each label under the softmax of ``logits / temperature``.
 
     Computed as ``logit[label] - logsumexp(logits)`` in float32, in chunks of rows, so neither a full
-    ``log_softmax`` tensor nor a full float32 copy of half-precision logits is materialised at once.
+    ``log_softmax`` tensor nor a full float32 (or temperature-scaled) copy of the logits exists at once,
+    in the forward pass or (each chunk recomputed) the backward.
 
     Args:
         logits: ``[B, T, V]`` (any leading shape ``[..., V]``), any float dtype.
         labels: ``[B, T]`` (the leading shape of ``logits``), integer ids in ``[0, V)``. Positions
             to ignore must still hold a valid id (e.g. the pad id); mask their result afterwards.
+        temperature: the sampler's; applied to each chunk.
 
     Returns:
         ``[B, T]`` float32 log-probabilities; differentiable with respect to ``logits``.
     """
     vocab = logits.shape[-1]
-    flat_logits = logits.reshape(-1, vocab)
-    flat_labels = labels.reshape(-1)
-    chunks = []
-    for start in range(0, flat_logits.shape[0], _LOGIT_CHUNK_ROWS):
-        rows = flat_logits[start : start + _LOGIT_CHUNK_ROWS].float()
-        ids = flat_labels[start : start + _LOGIT_CHUNK_ROWS]
-        picked = rows.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-        chunks.append(picked - torch.logsumexp(rows, dim=-1))
-    if not chunks:
-        return flat_logits.new_zeros(labels.shape, dtype=torch.float32)
-    return torch.cat(chunks).reshape(labels.shape)
+    flat = by_logit_chunks(
+        _label_logprobs, logits.reshape(-1, vocab), labels.reshape(-1), temperature=temperature
+    )
+    if flat is None:
+        return logits.new_zeros(labels.shape, dtype=torch.float32)
+    return flat.reshape(labels.shape)
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax distribution at each position.
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the softmax distribution of ``logits / temperature`` at each position.
 
     Uses ``H = logsumexp(z) - sum(softmax(z) * z)``, which avoids taking ``log`` of tiny
     probabilities. Computed in float32 in chunks of rows, like ``logprobs_from_logits``.
 
     Args:
         logits: ``[B, T, V]`` (any leading shape ``[..., V]``), any float dtype.
+        temperature: applied to each chunk.
 
     Returns:
         ``[B, T]`` float32 entropies in nats; differentiable with respect to ``logits``.
     """
     vocab = logits.shape[-1]
-    lead_shape = logits.shape[:-1]
-    flat_logits = logits.reshape(-1, vocab)
-    chunks = []
-    for start in range(0, flat_logits.shape[0], _LOGIT_CHUNK_ROWS):
-        rows = flat_logits[start : start + _LOGIT_CHUNK_ROWS].float()
-        probs = torch.softmax(rows, dim=-1)
-        chunks.append(torch.logsumexp(rows, dim=-1) - (probs * rows).sum(dim=-1))
-    if not chunks:
-        return flat_logits.new_zeros(lead_shape, dtype=torch.float32)
-    return torch.cat(chunks).reshape(lead_shape)
+    flat = by_logit_chunks(_entropies, logits.reshape(-1, vocab), temperature=temperature)
+    if flat is None:
+        return logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
+    return flat.reshape(logits.shape[:-1])

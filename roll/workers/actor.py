@@ -249,7 +249,7 @@ class ActorWorker(TrainerWorker):
         spec: DistillLossSpec = self.config.distill
         logits, response_ids, _ = response_logits(self.model, micro)
         length = logits.shape[1]
-        logits = logits.float()
+        # No float32 copy of the logits: the support and the logprobs upcast a chunk of positions at a time.
         teacher = micro["teacher_logprobs"][:, :length].float()
         student = student_on_support(logits, micro["teacher_indices"][:, :length].long(), spec.tail)
         divergence = DISTILL_OBJECTIVES.get(spec.objective)(teacher, student, beta=spec.beta)
