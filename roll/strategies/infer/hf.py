@@ -80,12 +80,22 @@ def _accelerator_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "cpu")
 
 
+def _cache_argument(model: torch.nn.Module) -> str:
+    """The name ``model``'s forward takes its KV cache by: ``cache`` since transformers 5.x renamed it
+    (``past_key_values`` warns there, and goes in 5.40), ``past_key_values`` before."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 class HFEngine(InferenceEngine):
     """Serves ``model`` with continuous batching: batch generation and single requests.
 
     Args:
-        model: a causal LM whose forward takes ``past_key_values`` and ``logits_to_keep`` (every
-            Hugging Face decoder does); moved to ``device`` and put in eval mode.
+        model: a causal LM whose forward takes a KV cache (``cache``, or ``past_key_values`` before
+            transformers renamed it) and ``logits_to_keep`` (every Hugging Face decoder does); moved to
+            ``device`` and put in eval mode.
         tokenizer: with the model's generation config, gives the end-of-sequence ids (every one of
             them ends a response, see ``end_of_sequence_ids``) and the pad id (falling back to the
             first EOS); decodes ``response_text``.
@@ -116,6 +126,7 @@ class HFEngine(InferenceEngine):
             # 13.5 tokens/s at 1 row with it, 50 without (256 rows: 3.3k -> 11.7k; docs/gpu.md).
             torch.backends.cuda.enable_cudnn_sdp(False)
         self._model = model.to(self._device).eval()
+        self._cache_argument = _cache_argument(model)
         self._tokenizer = tokenizer
         eos_ids = end_of_sequence_ids(tokenizer, model)
         self._eos_ids = frozenset(eos_ids)
@@ -441,7 +452,7 @@ class HFEngine(InferenceEngine):
             input_ids=self._last_tokens.unsqueeze(1),
             attention_mask=self._mask,
             position_ids=positions,
-            past_key_values=self._cache,
+            **{self._cache_argument: self._cache},
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
@@ -469,7 +480,7 @@ class HFEngine(InferenceEngine):
             input_ids=ids.to(self._device),
             attention_mask=mask,
             position_ids=positions.to(self._device),
-            past_key_values=cache,
+            **{self._cache_argument: cache},
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
