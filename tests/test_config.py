@@ -73,7 +73,7 @@ def test_quickstart_loads_with_expected_values() -> None:
     assert cfg.data.max_prompt_length == 10
     assert cfg.sft_warm_start is not None
     assert cfg.sft_warm_start.lr == pytest.approx(1e-3)
-    assert cfg.sft_warm_start.steps == 250
+    assert cfg.sft_warm_start.steps == 300
     assert cfg.rollout.rollout_batch_size == 8
     assert cfg.rollout.num_return_sequences == 8
     assert cfg.rollout.max_new_tokens == 4

@@ -20,8 +20,7 @@ from test_pipelines_cli import metrics
 def test_shortened_quickstart_runs_every_stage(quickstart_run):
     """The quickstart through `roll train` (SFT warm start, then 30 GRPO steps) runs every stage, logs every
     metric and writes its artifacts: the one end-to-end run of the README's command inside the suite."""
-    # roll train examples/quickstart.yaml steps=30 eval.every_steps=15 sft_warm_start.steps=300
-    output_dir, result = quickstart_run
+    output_dir, result = quickstart_run  # roll train examples/quickstart.yaml steps=30 eval.every_steps=15
 
     rows = metrics(output_dir)
     evals = [(row["step"], row["eval/score"]) for row in rows if "eval/score" in row]
