@@ -44,7 +44,9 @@ class _Tokenizer:
         return [""] * len(ids)
 
 
-def _build_model(directory: Path) -> str:
+def build_large_vocab_model(directory: Path, max_positions: int = 1024) -> str:
+    """A random one-layer Qwen2 (hidden 64) with the 151,936-token vocabulary, saved at ``directory``: the
+    logits dominate its memory (``train_memory.py`` builds the same one)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -55,7 +57,7 @@ def _build_model(directory: Path) -> str:
         num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
@@ -98,7 +100,7 @@ def run_one(path: str, rows: int, tokens: int, save: str | None) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save and str(Path(save).with_suffix(".model")) or str(Path(tmp) / "model")
-        _build_model(Path(model_dir))
+        build_large_vocab_model(Path(model_dir))
         model = load_causal_lm(model_dir)
         generator = torch.Generator().manual_seed(1)
         prompt_ids = torch.randint(2, VOCAB, (rows, 16), generator=generator)

@@ -32,7 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-VOCAB = 151_936
+from generation_memory import VOCAB, build_large_vocab_model  # this directory: run as a script
+
 PATHS = ("before", "now")
 PASSES = ("logprobs", "train", "distill")
 TOP_K = 64
@@ -40,25 +41,6 @@ TOP_K = 64
 
 def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
-
-
-def _build_model(directory: Path, max_positions: int) -> str:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(directory)
-    return str(directory)
 
 
 def _old_logprobs_from_logits(logits, labels):
@@ -178,7 +160,7 @@ def main() -> None:
     forwarded = [f"--{k}={getattr(args, k)}" for k in ("rows", "prompt", "response", "dtype", "temperature")]
     forwarded.append(f"--threads={args.threads}")
     with tempfile.TemporaryDirectory() as tmp:
-        model_path = _build_model(Path(tmp) / "model", args.prompt + args.response)
+        model_path = build_large_vocab_model(Path(tmp) / "model", args.prompt + args.response)
         results = []
         for which in PASSES:
             for path in PATHS:
