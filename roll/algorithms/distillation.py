@@ -81,6 +81,11 @@ def _log_tail_mass(logits: torch.Tensor, indices: torch.Tensor, log_normalizer: 
     return _safe_logsumexp(rest) - log_normalizer
 
 
+def support_size(k: int, tail: str) -> int:
+    """``S``, the classes a top-``k`` distribution has under ``tail``: ``k``, plus one for the extra class."""
+    return k if tail == "renormalize" else k + 1
+
+
 def _support(logits: torch.Tensor, indices: torch.Tensor, tail: str) -> torch.Tensor:
     """The distribution of ``logits [..., V]`` on ``indices [..., k]`` under ``tail``: ``[..., S]``."""
     _check_tail(tail)
@@ -125,7 +130,7 @@ def teacher_topk(teacher_logits: torch.Tensor, k: int, tail: str) -> tuple[torch
             top = torch.topk(chunk, k, dim=-1).indices
             indices.append(top)
             logprobs.append(_support(chunk, top, tail))
-    width = k if tail == "renormalize" else k + 1
+    width = support_size(k, tail)
     if not indices:
         empty = flat.new_zeros((*lead, k), dtype=torch.long)
         return empty, flat.new_zeros((*lead, width), dtype=torch.float32)
@@ -144,9 +149,9 @@ def student_on_support(student_logits: torch.Tensor, indices: torch.Tensor, tail
         tail: the tail the teacher was cached with.
 
     Returns:
-        ``[..., S]`` float32 log-probabilities matching ``teacher_topk``'s: ``renormalize`` the
-        log-softmax of the ``k`` gathered logits; ``extra_class`` the ``k`` tokens' full-softmax
-        log-probabilities plus the log of the student's mass on every other token.
+        ``[..., S]`` log-probabilities in float32 (float64 stays float64) matching ``teacher_topk``'s:
+        ``renormalize`` the log-softmax of the ``k`` gathered logits; ``extra_class`` the ``k`` tokens'
+        full-softmax log-probabilities plus the log of the student's mass on every other token.
     """
     _check_tail(tail)
     k, vocab = indices.shape[-1], student_logits.shape[-1]
@@ -154,7 +159,7 @@ def student_on_support(student_logits: torch.Tensor, indices: torch.Tensor, tail
     flat = by_logit_chunks(
         _student_support, student_logits.reshape(-1, vocab), indices.reshape(-1, k), tail=tail
     )
-    width = k if tail == "renormalize" else k + 1
+    width = support_size(k, tail)
     if flat is None:
         return student_logits.new_zeros((*lead, width), dtype=torch.float32)
     return flat.reshape(*lead, width)
