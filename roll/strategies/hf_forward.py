@@ -40,7 +40,7 @@ def _response_outputs(
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
     prompt_length = prompt_ids.shape[1]
     predicting = slice(prompt_length - 1, prompt_length - 1 + length)  # position t-1 predicts token t
-    if _takes_logits_to_keep(model):
+    if forward_takes(model, "logits_to_keep"):
         # The head runs on those positions alone, into a contiguous [B, L, V]: the prompt's logits are never
         # made (at a 152k vocabulary, 0.3 MB a token in bf16), and no slice of them needs copying.
         positions = torch.arange(predicting.start, predicting.stop, device=input_ids.device)
@@ -48,11 +48,11 @@ def _response_outputs(
     return model(**inputs).logits[:, predicting], response_ids, response_mask
 
 
-def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether ``model`` (under a peft wrapper or not) takes ``logits_to_keep``: transformers' causal LMs
-    do; a value model (token classification) does not."""
+def forward_takes(model: torch.nn.Module, argument: str) -> bool:
+    """Whether ``model``'s forward (under a peft wrapper or not) takes ``argument``: e.g. transformers'
+    causal LMs take ``logits_to_keep`` and a value model (token classification) does not."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "logits_to_keep" in inspect.signature(base.forward).parameters
+    return argument in inspect.signature(base.forward).parameters
 
 
 def _pad_to(values: torch.Tensor, width: int) -> torch.Tensor:

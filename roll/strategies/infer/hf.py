@@ -83,10 +83,9 @@ def _accelerator_bytes(model: torch.nn.Module) -> int:
 def _cache_argument(model: torch.nn.Module) -> str:
     """The name ``model``'s forward takes its KV cache by: ``cache`` since transformers 5.x renamed it
     (``past_key_values`` warns there, and goes in 5.40), ``past_key_values`` before."""
-    import inspect
+    from roll.strategies.hf_forward import forward_takes
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    return "cache" if forward_takes(model, "cache") else "past_key_values"
 
 
 class HFEngine(InferenceEngine):
