@@ -12,12 +12,11 @@ import inspect
 import os
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 import ray
-import torch
 
-from roll.data.batch import Batch
 from roll.distributed.cluster import (
     Cluster,
     ClusterFuture,
@@ -29,6 +28,9 @@ from roll.distributed.cluster import (
 )
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.worker import Worker, register
+
+if TYPE_CHECKING:
+    from roll.data.batch import Batch
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -51,6 +53,8 @@ class EchoWorker(Worker):
     @register(Dispatch.DP_COMPUTE)
     def add_rank(self, batch: Batch, offset: int = 0) -> Batch:
         """Adds a column holding this rank and one holding ids + offset."""
+        import torch  # here, not at the top: the workers import this module, and need no torch elsewhere
+
         batch["rank"] = torch.full((len(batch),), self.rank)
         batch["shifted"] = batch["ids"] + offset
         return batch
@@ -177,6 +181,10 @@ def test_a_cpu_role_sees_no_gpu(echo_pair):
 
 
 def make_batch(n: int) -> Batch:
+    import torch
+
+    from roll.data.batch import Batch
+
     return Batch(tensors={"ids": torch.arange(n)}, non_tensors={"text": [f"t{i}" for i in range(n)]})
 
 
@@ -203,6 +211,8 @@ def test_all_to_all_sends_item_i_to_rank_i(echo_pair):
 def test_dp_compute_splits_the_batch_and_concatenates_results_in_order(echo_pair):
     cluster = echo_pair
     result = cluster.add_rank(make_batch(6), offset=100)
+    from roll.data.batch import Batch
+
     assert isinstance(result, Batch)
     assert result["ids"].tolist() == [0, 1, 2, 3, 4, 5]
     assert result["rank"].tolist() == [0, 0, 0, 1, 1, 1]

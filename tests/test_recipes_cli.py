@@ -168,8 +168,10 @@ def test_docs_example_and_a_users_reward_train_through_the_cli(repo_root, tmp_pa
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_session", "at_repo_root")
 def test_async_training_corrects_stale_samples_and_says_so(tmp_path, capsys):
-    """Asynchronous generation really trains on samples a version old, and the importance weights correct them
-    (or a warning says they do not): staleness needs a background rollout over several steps."""
+    """Asynchronous generation really trains on samples a version old, and the importance weights correct
+    them, as the line the run prints says: staleness needs a background rollout over several steps. (With
+    the correction off, the warning's text is test_config's, the actor's missing cap test_config_wiring's;
+    the actor weighs by the cap only when it has one.)"""
     common = ["steps=4", "sft_warm_start=null", "eval.every_steps=0", "tracking.backends=[jsonl]"]
     # From the random model every reward is 0: an entropy bonus and a high learning rate still move the
     # policy visibly at every step.
@@ -182,8 +184,3 @@ def test_async_training_corrects_stale_samples_and_says_so(tmp_path, capsys):
     for row in stale:  # samples a version old: the trainer's and the engine's probabilities differ
         assert abs(row["actor/tis_weight_mean"] - 1.0) > 1e-4, row
         assert 0.0 <= row["actor/tis_clip_frac"] <= 1.0
-
-    off = ["algorithm.off_policy_correction=none", "steps=2"]
-    train_in_process("examples/async.yaml", f"output_dir={tmp_path / 'off'}", *common, *off)
-    assert "WARNING: off-policy correction is off" in capsys.readouterr().out
-    assert not any("actor/tis_weight_mean" in row for row in metrics(tmp_path / "off"))

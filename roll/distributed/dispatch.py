@@ -5,14 +5,21 @@ Pure functions (no Ray), so every mode is unit-tested without starting actors.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from roll.data.batch import Batch
-
 RankArgs = list[tuple[tuple, dict]]
+
+
+def is_batch(value: Any) -> bool:
+    """Whether ``value`` is a ``roll.data.batch.Batch``, without importing torch for the question: a Batch
+    exists only once its module is imported, so a process that never holds one (an environment worker)
+    starts without torch's 2 s import."""
+    module = sys.modules.get("roll.data.batch")
+    return module is not None and isinstance(value, module.Batch)
 
 
 class Dispatch(str, Enum):
@@ -49,7 +56,7 @@ def split_data_parallel(world_size: int, args: tuple, kwargs: dict) -> RankArgs:
     """Chunk every Batch argument into ``world_size`` equal shards; other arguments go to all ranks."""
 
     def shards(value: Any) -> list[Any]:
-        if isinstance(value, Batch):
+        if is_batch(value):
             if len(value) % world_size != 0:
                 raise ValueError(
                     f"a batch of {len(value)} rows cannot be split evenly across {world_size} data-parallel "
@@ -76,8 +83,8 @@ def collect_rank_zero(results: list[Any]) -> Any:
 
 def collect_data_parallel(results: list[Any]) -> Any:
     """Concatenate Batches in rank order; average numeric metric dicts; otherwise return the list."""
-    if all(isinstance(r, Batch) for r in results):
-        return Batch.concat(results)
+    if results and all(is_batch(r) for r in results):
+        return type(results[0]).concat(results)
     if all(isinstance(r, dict) for r in results):
         return mean_metrics(results)
     return list(results)
