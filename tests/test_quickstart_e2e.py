@@ -3,11 +3,11 @@ metric and saves its artifacts.
 
 That the quickstart learns is checked on the full run: `.ci/run` runs `roll train
 examples/quickstart.yaml` as the README says and requires +0.3 held-out. GRPO raising held-out scores
-through `roll train` inside the suite is test_multi_domain_e2e's job (two domains must rise); a
+through `roll train` inside the suite is test_lora's job (GRPO on an adapter, +0.1 held-out); a
 1000-step quickstart here repeated it at 115 s of the suite's 15 minutes.
 
-The run is conftest's session fixture ``quickstart_run``: its SFT warm start also starts the PPO
-(test_recipes_cli) and LoRA (test_lora) learning tests, so the suite makes that warm start once."""
+The run is conftest's session fixture ``quickstart_run``: its SFT warm start also starts the LoRA, DPO
+and distillation learning tests, so the suite makes that warm start once."""
 
 from __future__ import annotations
 

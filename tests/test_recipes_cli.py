@@ -1,6 +1,6 @@
 """The recipes in examples/recipes with a code path of their own train two steps, algorithm options
 reach the workers, and asynchronous training corrects stale samples. That RLVR learns is shown by the
-full quickstart in .ci/run and by test_multi_domain_e2e; PPO's gain over 1000 steps is in
+full quickstart in .ci/run and by test_lora's GRPO run; PPO's gain over 1000 steps is in
 docs/algorithms.md (a 250-step PPO learning run here cost two minutes of the suite).
 
 The short runs load the config and run the pipeline in the test process, on the session's Ray: a
