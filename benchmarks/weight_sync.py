@@ -56,11 +56,10 @@ import torch
 
 from roll.config.common import RayConfig, TinyModelConfig
 from roll.distributed.cluster import Cluster, wait_all
-from roll.distributed.ray_utils import init_ray
 from roll.distributed.weight_sync import WeightSync
 from roll.models.tiny import build_tiny_model, save_tiny_model
 from roll.models.tokenizer import build_char_tokenizer
-from roll.pipelines.common import setup_trainer
+from roll.pipelines.common import init_ray, setup_trainer
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
 from roll.workers.base import ModelSpec
 from roll.workers.rollout import RolloutWorker

@@ -1,4 +1,4 @@
-"""Tests for roll.distributed.ray_utils."""
+"""Tests for starting and joining Ray (roll.distributed.ray_utils, roll.pipelines.common.init_ray)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import ray
 
 from roll.config.common import RayConfig
-from roll.distributed.ray_utils import init_ray
+from roll.pipelines.common import init_ray
 
 
 @pytest.mark.usefixtures("ray_session")
@@ -51,6 +51,27 @@ def test_init_ray_joins_the_configured_cluster_or_starts_a_local_one(
     # cluster's resources and settings alone.
     assert ("num_cpus" in calls[0]) == (expected == "local")
     assert calls[0].get("_system_config") == ({"worker_niceness": 0} if expected == "local" else None)
+
+
+def test_a_cluster_that_cannot_be_joined_is_a_config_error_naming_the_setting(monkeypatch) -> None:
+    from roll.config.loader import ConfigError
+
+    def refuse(**kwargs):
+        raise ConnectionError("no answer")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.9:6379")
+    with pytest.raises(
+        ConfigError, match="^RAY_ADDRESS: cannot join the Ray cluster at '10.0.0.9:6379': no answer$"
+    ):
+        init_ray(RayConfig())
+    with pytest.raises(ConfigError, match="^ray.address: cannot join the Ray cluster at '10.0.0.5:6379'"):
+        init_ray(RayConfig(address="10.0.0.5:6379"))
+    # A local Ray that fails to start names no setting: the error is Ray's own.
+    monkeypatch.delenv("RAY_ADDRESS")
+    with pytest.raises(ConnectionError, match="no answer"):
+        init_ray(RayConfig())
 
 
 @ray.remote(num_cpus=0)

@@ -10,14 +10,29 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from roll.config.common import DataConfig
 from roll.data.columns import ANSWER, PROMPT, map_columns
 from roll.data.dataset import DatasetError
 from roll.data.domains import DEFAULT_DOMAIN
 from roll.data.formats import read_rows
 from roll.data.messages import Messages, checked_prompt
+
+
+class PromptOptions(Protocol):
+    """How prompts are read: the fields of the config's ``data`` section that loading needs. Declared here
+    so that the data layer does not import the config (``roll.config.DataConfig`` has them)."""
+
+    columns: dict[str, str]
+    apply_chat_template: bool
+    max_prompt_length: int
+
+
+class PromptFiles(PromptOptions, Protocol):
+    """Prompt options and the dataset files they apply to (``roll.config.DataConfig`` has them)."""
+
+    train_path: str | None
+    eval_path: str | None
 
 
 @dataclass
@@ -128,7 +143,7 @@ def check_representable(tokenizer: Any, texts: list[str], wheres: list[str], fie
 def load_prompts(
     path: str,
     tokenizer: Any,
-    data: DataConfig,
+    data: PromptOptions,
     required_keys: Sequence[str] = (),
     target_key: str | None = None,
     columns: Mapping[str, str] | None = None,
@@ -186,7 +201,7 @@ def _rendered(tokenizer: Any, prompt: str | Messages, apply_chat_template: bool,
 
 
 def load_datasets(
-    data: DataConfig,
+    data: PromptFiles,
     tokenizer: Any,
     train_fields: Sequence[str] = (),
     eval_fields: Sequence[str] = (),

@@ -5,36 +5,28 @@ from __future__ import annotations
 import logging
 import os
 
-from roll.config.common import RayConfig, cluster_to_join
-from roll.config.loader import ConfigError
 from roll.utils import signals
 
 
-def init_ray(cfg: RayConfig) -> None:
-    """Join ``cfg.address`` (or ``RAY_ADDRESS``) when set, else start a local Ray.
-
-    A no-op when Ray is already running in this process. A cluster that cannot be joined is a
-    ConfigError naming the setting (``preflight.check_ray_address`` catches a dead address earlier)."""
+def start_ray(address: str | None, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
+    """Join the Ray cluster at ``address``, else start a local Ray with ``num_cpus`` and ``num_gpus``
+    (None: detected). A no-op when Ray is already running in this process. A cluster that cannot be
+    joined raises ConnectionError; ``roll.pipelines.common.init_ray`` names the setting it came from."""
     import ray
 
     if ray.is_initialized():
         return
-    joined = cluster_to_join(cfg)
     # Workers find `roll` through the installed package; keep Ray's own logs quiet so metrics stay readable.
     common = {"logging_level": logging.WARNING, "log_to_driver": True, "runtime_env": worker_runtime_env()}
-    if joined:
-        key, address = joined
-        try:
-            ray.init(address=address, **common)
-        except ConnectionError as e:
-            raise ConfigError(f"{key}: cannot join the Ray cluster at '{address}': {e}") from None
+    if address:
+        ray.init(address=address, **common)
     else:
         # "local": a Ray of this run's own. Without an address ray.init() would join whatever cluster
         # `ray start` (or another program) last recorded on this machine, and die with it.
         ray.init(
             address="local",
-            num_cpus=cfg.num_cpus,
-            num_gpus=cfg.num_gpus,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
             include_dashboard=False,
             _system_config=local_system_config(),
             **common,

@@ -13,9 +13,7 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-from roll.config.common import TinyModelConfig
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # torch and transformers load in seconds: only building a model needs them
     from transformers import PreTrainedTokenizerBase, Qwen2ForCausalLM
@@ -29,7 +27,22 @@ TINY_MODEL_DIR = "tiny_model"
 TOKENIZER_CLASS = "Qwen2Tokenizer"
 
 
-def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase) -> Qwen2ForCausalLM:
+class TinyModelSpec(Protocol):
+    """The shape of a tiny model: a dataclass with these fields (``roll.config.TinyModelConfig`` is one).
+    Declared here so that the model layer does not import the config; it must be a dataclass because
+    its fields, as ``dataclasses.asdict`` gives them, are stored with the model to recognise a rebuild."""
+
+    alphabet: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    seed: int
+
+
+def build_tiny_model(cfg: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> Qwen2ForCausalLM:
     """A randomly initialised float32 Qwen2 causal LM sized by ``cfg``, with embeddings tied to the head.
 
     Initialisation is seeded by ``cfg.seed`` inside a forked RNG, so the same config always gives the
@@ -63,7 +76,7 @@ def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase) -
     return model
 
 
-def _config_json(cfg: TinyModelConfig) -> dict:
+def _config_json(cfg: TinyModelSpec) -> dict:
     """The config as plain JSON data, the form stored in ``TINY_CONFIG_FILE``."""
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
@@ -83,7 +96,7 @@ def _saved_tokenizer_class(path: Path) -> str | None:
         return None
 
 
-def _is_built_from(path: Path, cfg: TinyModelConfig) -> bool:
+def _is_built_from(path: Path, cfg: TinyModelSpec) -> bool:
     """True when ``path`` holds a complete tiny model saved from exactly ``cfg``, with the tokenizer this
     version builds (older builds saved a character tokenizer that transformers loads without newlines)."""
     return (
@@ -123,7 +136,7 @@ def _swap_in(staging: Path, path: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def save_tiny_model(cfg: TinyModelConfig, path: str | os.PathLike) -> Path:
+def save_tiny_model(cfg: TinyModelSpec, path: str | os.PathLike) -> Path:
     """Build the tokenizer and model for ``cfg`` and save both (safetensors) to ``path``; return ``path``.
 
     Idempotent: when ``path`` already holds a model built from an identical config, nothing is rebuilt

@@ -11,17 +11,35 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from roll.config.common import CheckpointConfig, EvalConfig, ModelConfig
+from roll.config.common import CheckpointConfig, EvalConfig, ModelConfig, RayConfig, cluster_to_join
 from roll.data.batch import Batch
 from roll.data.padding import left_pad, right_pad
 from roll.data.prompts import PromptSet
 from roll.distributed.cluster import Cluster
 from roll.distributed.device_mapping import RoleDevices
+from roll.distributed.ray_utils import start_ray
 from roll.strategies.sampling import SamplingParams
 from roll.tracking import Tracker, read_tracker_state
 
 if TYPE_CHECKING:
     from roll.distributed.placement import DeviceTable, RankPlacement
+
+
+def init_ray(cfg: RayConfig) -> None:
+    """Join ``cfg.address`` (or ``RAY_ADDRESS``) when set, else start a local Ray.
+
+    A no-op when Ray is already running in this process. A cluster that cannot be joined is a
+    ConfigError naming the setting (``preflight.check_ray_address`` catches a dead address earlier)."""
+    from roll.config.loader import ConfigError
+
+    joined = cluster_to_join(cfg)
+    try:
+        start_ray(joined[1] if joined else None, num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus)
+    except ConnectionError as e:
+        if joined is None:  # a local Ray that fails to start is no setting's fault
+            raise
+        key, address = joined
+        raise ConfigError(f"{key}: cannot join the Ray cluster at '{address}': {e}") from None
 
 
 def prepare_model(model: ModelConfig, output_dir: str) -> str:

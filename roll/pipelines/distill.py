@@ -24,9 +24,9 @@ from roll.data.prompts import PromptSet
 from roll.distributed.cluster import Cluster
 from roll.distributed.device_mapping import role_devices
 from roll.distributed.liveness import Liveness
-from roll.distributed.ray_utils import init_ray
 from roll.pipelines.common import (
     evaluate,
+    init_ray,
     place_trainer,
     prepare_model,
     prompt_batch,

@@ -35,12 +35,12 @@ from roll.distributed.colocation import Colocation
 from roll.distributed.device_mapping import colocation_groups, is_colocated, validate_plan
 from roll.distributed.liveness import Liveness
 from roll.distributed.placement import DeviceTable, RankPlacement, place_role
-from roll.distributed.ray_utils import init_ray
 from roll.distributed.sync_probe import SyncProbe, probe_sequences
 from roll.distributed.weight_sync import WeightSync, WeightSyncError
 from roll.pipelines.common import (
     StageTimer,
     example_samples,
+    init_ray,
     prepare_model,
     setup_trainer,
     write_resolved_config,
