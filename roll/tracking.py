@@ -9,9 +9,9 @@ prefix is ``eval/`` is an evaluation result and is never skipped by ``log_every`
 ``tracker.log_samples(step, samples)`` records a few example generations of a step (prompt, response,
 reward, ...) every ``samples_every`` steps: to ``samples.jsonl`` and, in trackers that have them, as tables.
 
-A new sink is one ``TrackingBackend`` subclass plus one ``TRACKER_BACKENDS`` entry. Heavy dependencies are
-imported inside the backend so that ``import roll.tracking`` stays cheap; W&B and MLflow live in
-``roll/trackers/`` and register here on import.
+A new sink is one ``TrackingBackend`` subclass plus one ``TRACKER_BACKENDS`` entry (both in
+``roll.trackers.base``). Heavy dependencies are imported inside the backend so that ``import roll.tracking``
+stays cheap; W&B and MLflow live in ``roll/trackers/`` and register when this module imports that package.
 
 A backend that logs to a run of its own (W&B, MLflow) gives its ``state()`` (the run id) to each checkpoint
 (``Tracker.save_state``); a run resumed from that checkpoint gets it back as ``TrackingContext.resume`` and
@@ -24,9 +24,7 @@ import json
 import math
 import os
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any
@@ -43,7 +41,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from roll.utils.registry import Registry
+# The package of the base types also registers W&B and MLflow when it loads.
+from roll.trackers.base import TRACKER_BACKENDS, TrackerResume, TrackingBackend, TrackingContext
 
 if TYPE_CHECKING:
     from roll.config.common import TrackingConfig
@@ -60,29 +59,6 @@ STEP_TIME_KEY = "time/step_s"
 SUMMARY_EXTRAS = ("kl", "entropy", "grad_norm")
 
 
-@dataclass(frozen=True)
-class TrackingContext:
-    """What every backend may need to start; one object so adding a field does not change signatures."""
-
-    output_dir: Path
-    run_name: str
-    total_steps: int
-    console: Console
-    config: Mapping[str, Any] | None = field(default=None)
-    # The run's ``tracking`` section, for backends with options of their own (``tracking.wandb``).
-    options: TrackingConfig | None = None
-    # Set when the run resumes from a checkpoint that saved the tracker's state.
-    resume: TrackerResume | None = None
-
-
-@dataclass(frozen=True)
-class TrackerResume:
-    """What a checkpoint kept of the tracker: its step, and each backend's ``state()`` by backend name."""
-
-    step: int
-    states: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-
-
 # The tracker's state inside a checkpoint directory: a small JSON file, read before the checkpoint loads.
 TRACKER_STATE_FILE = "tracker.json"
 
@@ -94,39 +70,6 @@ def read_tracker_state(checkpoint_dir: Path) -> TrackerResume | None:
         return None
     saved = json.loads(path.read_text(encoding="utf-8"))
     return TrackerResume(int(saved["step"]), saved["backends"])
-
-
-class TrackingBackend(ABC):
-    """One metrics sink. ``advance`` sees every step; ``log`` only the steps that are recorded."""
-
-    def __init__(self, context: TrackingContext) -> None:
-        self.context = context
-
-    def advance(self, step: int, metrics: Mapping[str, float]) -> None:  # noqa: B027 - optional hook
-        """Called on every ``Tracker.log`` call, including those that ``log_every`` skips."""
-
-    @abstractmethod
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Record the metrics of one step."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Flush and release resources; called once by the tracker."""
-
-    def rewind(self, step: int) -> None:  # noqa: B027 - optional hook
-        """Forget every record after ``step``: the run goes on from a checkpoint of that step, and each
-        step must appear once."""
-
-    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:  # noqa: B027 - optional hook
-        """Record example generations of ``step``: one dict per sample, the same keys in each."""
-
-    def state(self) -> dict[str, Any] | None:
-        """What a checkpoint keeps so that a run resumed from it continues this backend's run (a run id,
-        JSON-serialisable); None for a backend with nothing to continue."""
-        return None
-
-
-TRACKER_BACKENDS: Registry[type[TrackingBackend]] = Registry("tracking backend")
 
 
 def _format_value(value: float) -> str:
@@ -472,7 +415,3 @@ class Tracker:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
-
-
-# Registered last: the W&B and MLflow backends subclass what this module defines.
-import roll.trackers  # noqa: E402, F401

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from roll.tracking import TRACKER_BACKENDS, TrackingBackend, TrackingContext
+from roll.trackers.base import TRACKER_BACKENDS, TrackingBackend, TrackingContext
 from roll.utils.extras import import_extra
 
 SAMPLES_TABLE = "samples.json"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from roll.tracking import TRACKER_BACKENDS, TrackingBackend, TrackingContext
+from roll.trackers.base import TRACKER_BACKENDS, TrackingBackend, TrackingContext
 from roll.utils.extras import import_extra
 
 SAMPLES_KEY = "samples"
