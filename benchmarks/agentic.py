@@ -268,7 +268,7 @@ class BatchEpisodes:
         from roll.rollout.episode import Episode
         from roll.rollout.episode_batch import trajectory_batch
         from roll.rollout.episodes import episode_metrics
-        from roll.strategies.infer.base import GenerateRequest
+        from roll.strategies.requests import GenerateRequest
 
         spec, workers = self.spec, self.backend.num_workers
         call = next(_LOCKSTEP_CALLS)
@@ -430,9 +430,10 @@ def prefix_totals(router) -> collections.Counter:
 def run_modes(pipeline, args: argparse.Namespace) -> list[ModeResult]:
     """``args.rounds`` rounds of one block of ``args.steps`` steps per mode; block ``r`` of every mode
     draws the same seeds (``r * steps * groups`` on from the first training seed)."""
-    from roll.rollout import RayBackend, RolloutRouter
+    from roll.rollout.backend import RayBackend
     from roll.rollout.env_clients import RayEnvs
     from roll.rollout.episodes import EpisodeScheduler
+    from roll.rollout.router import RolloutRouter
 
     config = pipeline.config
     own = pipeline.scheduler
@@ -508,8 +509,9 @@ def prefix_part(pipeline, args: argparse.Namespace) -> dict[str, dict[int, TurnP
     the counters' difference across its generation round."""
     from roll.distributed.cluster import Cluster
     from roll.envs.pool import EnvPool
-    from roll.rollout import RayBackend, RolloutRouter
+    from roll.rollout.backend import RayBackend
     from roll.rollout.env_clients import LocalEnvs
+    from roll.rollout.router import RolloutRouter
     from roll.workers.rollout import RolloutWorker
 
     config, own = pipeline.config, pipeline.scheduler

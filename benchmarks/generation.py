@@ -28,7 +28,7 @@ from roll.models.loading import load_causal_lm, load_tokenizer
 from roll.models.tiny import save_tiny_model
 from roll.strategies import hf_generate
 from roll.strategies.infer.hf import HFEngine
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import SamplingParams
 
 WORKLOADS = {
     # name: (model sizes, prompts, max_new_tokens)

@@ -96,7 +96,7 @@ def run_one(path: str, rows: int, tokens: int, save: str | None) -> dict:
     from roll.models.loading import load_causal_lm
     from roll.strategies import hf_generate
     from roll.strategies.infer.hf import HFEngine
-    from roll.strategies.sampling import SamplingParams
+    from roll.strategies.requests import SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save and str(Path(save).with_suffix(".model")) or str(Path(tmp) / "model")

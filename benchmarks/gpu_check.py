@@ -208,9 +208,8 @@ def section_infer(args, dtype: str) -> None:
     import torch
 
     from roll.models.loading import load_causal_lm
-    from roll.strategies.infer.base import GenerateRequest
     from roll.strategies.infer.hf import HFEngine
-    from roll.strategies.sampling import SamplingParams
+    from roll.strategies.requests import GenerateRequest, SamplingParams
 
     device = _device(args.device)
     start = time.perf_counter()

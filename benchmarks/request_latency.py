@@ -53,9 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     from roll.models.loading import end_of_sequence_ids, load_causal_lm, load_tokenizer
     from roll.models.tiny import save_tiny_model
     from roll.strategies import hf_generate
-    from roll.strategies.infer import GenerateRequest
     from roll.strategies.infer.hf import HFEngine
-    from roll.strategies.sampling import SamplingParams
+    from roll.strategies.requests import GenerateRequest, SamplingParams
     from roll.workers.base import ModelSpec
     from roll.workers.rollout import RolloutSpec, RolloutWorker
 

@@ -9,8 +9,9 @@ weight sync) when each step's batch comes from
    reward call (one share per reward worker); then the actor trains and the weights are synced.
    ``BatchRollout`` below, with the scheduler's ``next_batch`` / ``set_weights_version`` / ``close``
    and the batch fields of ``RolloutScheduler._assemble``, swapped in as ``pipeline.scheduler``.
-2. ``scheduler``: ``roll.rollout.RolloutScheduler``, synchronous (``rollout.async_generation_ratio=0``):
-   each response is scored as soon as it is generated, while the rest still generate.
+2. ``scheduler``: ``roll.rollout.scheduler.RolloutScheduler``, synchronous
+   (``rollout.async_generation_ratio=0``): each response is scored as soon as it is generated, while the
+   rest still generate.
 3. ``async``: the same scheduler with ``rollout.async_generation_ratio=1``: the next batch generates
    (and is scored) while the actor trains on this one, samples at most one weight version old.
 
@@ -108,7 +109,7 @@ import torch
 from roll.distributed.cluster import wait_any
 from roll.rollout.backend import Events, RewardDispatch, RolloutBackend, ScoreJob
 from roll.rollout.lifecycle import Sample, SampleState, stage_seconds
-from roll.strategies.infer.base import GenerateRequest, GenerateResult
+from roll.strategies.requests import GenerateRequest, GenerateResult
 
 REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
@@ -427,7 +428,9 @@ def run_modes(pipeline, args: argparse.Namespace) -> list[ModeResult]:
     """``args.rounds`` rounds of one block of ``args.steps`` steps per mode; block ``r`` of every mode
     trains on the same prompts (batches ``r * steps`` onwards of the seeded order)."""
     from roll.data.dataset import PromptIterator
-    from roll.rollout import RayBackend, RolloutRouter, RolloutScheduler
+    from roll.rollout.backend import RayBackend
+    from roll.rollout.router import RolloutRouter
+    from roll.rollout.scheduler import RolloutScheduler
 
     config, plan = pipeline.config, pipeline.plan
     sampling = plan.sampling

@@ -128,7 +128,7 @@ def run_trl(
     from roll.pipelines.common import evaluate
     from roll.rewards.match import exact_match
     from roll.strategies import hf_generate
-    from roll.strategies.sampling import SamplingParams
+    from roll.strategies.requests import SamplingParams
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()

@@ -52,7 +52,7 @@ def sample_preference_pairs(
     from roll.pipelines.common import prompt_batch
     from roll.rewards import required_fields, score_response
     from roll.strategies.hf_generate import generate
-    from roll.strategies.sampling import SamplingParams
+    from roll.strategies.requests import SamplingParams
 
     hf_logging.disable_progress_bar()  # one shard of a small model needs no progress bar
     torch.manual_seed(seed)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from roll.rollout.backend import Events, RolloutBackend, Scored, ScoreJob
-from roll.strategies.infer.base import GenerateRequest, GenerateResult
+from roll.strategies.requests import GenerateRequest, GenerateResult
 
 # (request, sample index within its group) -> (response token ids, generation seconds)
 Script = Callable[[GenerateRequest], tuple[list[int], float]]

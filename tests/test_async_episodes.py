@@ -20,7 +20,7 @@ from roll.rollout.backend import Events
 from roll.rollout.env_clients import LocalEnvs
 from roll.rollout.episode import EpisodeBudget
 from roll.rollout.episodes import EpisodeScheduler, EpisodeSpec
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import SamplingParams
 
 
 def scheduler(backend: FakeBackend, ratio: int = 1, groups: int = 2, history_turns=None):

@@ -19,9 +19,9 @@ from roll.data.batch import Batch
 from roll.models.loading import load_causal_lm
 from roll.strategies import hf_generate
 from roll.strategies.hf_forward import response_logprobs
-from roll.strategies.infer import GenerateRequest, GenerateResult
 from roll.strategies.infer.hf import HFEngine
-from roll.strategies.sampling import SamplingParams, draw, sample_tokens
+from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
+from roll.strategies.sampling import draw, sample_tokens
 
 GREEDY = SamplingParams(max_new_tokens=8, greedy=True)
 

@@ -21,7 +21,7 @@ from roll.models.tokenizer import build_char_tokenizer
 from roll.rollout.env_clients import LocalEnvs
 from roll.rollout.episode import EpisodeBudget
 from roll.rollout.episodes import EpisodeScheduler, EpisodeSpec
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import SamplingParams
 
 TOKENIZER = build_char_tokenizer("LDRUPGH_\n.,:IAnvalidctoswerhf ")
 EOS = TOKENIZER.eos_token_id

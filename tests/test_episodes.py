@@ -173,9 +173,8 @@ def test_a_real_engine_samples_the_ids_the_episode_trains_on(bpe) -> None:
     logprobs at exactly the trained positions."""
     from roll.config.common import TinyModelConfig
     from roll.models.tiny import build_tiny_model
-    from roll.strategies.infer.base import GenerateRequest
     from roll.strategies.infer.hf import HFEngine
-    from roll.strategies.sampling import SamplingParams
+    from roll.strategies.requests import GenerateRequest, SamplingParams
 
     cfg = TinyModelConfig(
         alphabet="x",

@@ -15,9 +15,9 @@ from roll.data.padding import left_pad
 from roll.models.loading import load_causal_lm
 from roll.rollout.load_balancer import LoadBalancer
 from roll.strategies import hf_generate
-from roll.strategies.infer import INFERENCE_ENGINES, GenerateRequest, GenerateResult
+from roll.strategies.infer import INFERENCE_ENGINES
 from roll.strategies.infer.hf import HFEngine
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=8, greedy=True)
 # Far above any wait's need, even on a loaded machine: only reached when something is broken, and then

@@ -24,7 +24,7 @@ from roll.distributed.liveness import HEALTH_GROUP, Liveness, RankHealth, RankWa
 from roll.distributed.worker import Worker, register
 from roll.models.loading import load_tokenizer
 from roll.pipelines.common import prompt_batch
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import SamplingParams
 from roll.workers.base import ModelSpec
 from roll.workers.rollout import RolloutWorker
 

@@ -17,10 +17,9 @@ import torch
 from roll.config.common import TinyModelConfig
 from roll.models.loading import load_causal_lm, load_tokenizer
 from roll.models.tiny import save_tiny_model
-from roll.strategies.infer import GenerateRequest, GenerateResult
 from roll.strategies.infer.hf import HFEngine
 from roll.strategies.infer.prefix_store import PrefixStore, StoredPrefix, reusable_length
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 
 WAIT_S = 60.0  # only reached when something is broken: the test then fails instead of hanging
 FIRST_CHAR_ID = 6  # the tiny tokenizer's ids 6..16 are the characters "0".."9", "+"
@@ -397,8 +396,8 @@ def test_rollout_worker_reuses_prefixes_and_the_backend_releases_them(model_path
     """Prefix reuse through a real rollout worker and the Ray backend, and the release of an episode's
     prefixes: the engine-level tests above cannot show the worker and backend wiring."""
     from roll.distributed.cluster import Cluster
-    from roll.rollout import RayBackend, RolloutRouter
-    from roll.rollout.backend import RewardDispatch
+    from roll.rollout.backend import RayBackend, RewardDispatch
+    from roll.rollout.router import RolloutRouter
     from roll.workers.base import ModelSpec
     from roll.workers.rollout import RolloutSpec, RolloutWorker
 

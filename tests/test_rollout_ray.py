@@ -12,9 +12,10 @@ from roll.data.dataset import PromptIterator
 from roll.data.prompts import PromptSet, render_prompt
 from roll.distributed.cluster import Cluster
 from roll.pipelines.common import prompt_batch
-from roll.rollout import RayBackend, RolloutRouter, RolloutScheduler, SchedulerSpec
-from roll.rollout.backend import RewardDispatch, ScoreJob
-from roll.strategies.sampling import SamplingParams
+from roll.rollout.backend import RayBackend, RewardDispatch, ScoreJob
+from roll.rollout.router import RolloutRouter
+from roll.rollout.scheduler import RolloutScheduler, SchedulerSpec
+from roll.strategies.requests import SamplingParams
 from roll.workers.base import ModelSpec
 from roll.workers.reward import RewardWorker
 from roll.workers.rollout import RolloutWorker

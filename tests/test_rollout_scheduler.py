@@ -3,7 +3,10 @@ lifecycle, routing, reward overlap, dynamic sampling, abort, staleness, state.""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,9 +20,7 @@ from roll.rollout.backend import Events
 from roll.rollout.lifecycle import IllegalTransition, Sample, SampleState, stage_seconds
 from roll.rollout.load_balancer import LoadBalancer
 from roll.rollout.scheduler import RolloutScheduler, SchedulerSpec
-from roll.strategies.infer import GenerateResult
-from roll.strategies.infer.base import GenerateRequest
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 
 S = SampleState
 PARAMS = SamplingParams(max_new_tokens=8)
@@ -72,6 +73,16 @@ def test_lifecycle_allows_only_forward_moves_and_times_each_stage() -> None:
     with pytest.raises(IllegalTransition, match="queued to done"):
         queued.move(S.DONE, 0.0)
     queued.move(S.ABORTED, 0.0)
+
+
+def test_the_lifecycle_and_the_request_types_load_without_torch_or_ray(repo_root: Path) -> None:
+    # A fresh interpreter: this one has long imported torch.
+    code = (
+        "import sys\n"
+        "import roll.rollout.lifecycle, roll.strategies.requests\n"
+        "assert not {'torch', 'ray'} & set(sys.modules), sorted({'torch', 'ray'} & set(sys.modules))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=repo_root)
 
 
 # ----- routing ----------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from roll.rollout.env_clients import LocalEnvs
 from roll.rollout.episode import Episode, EpisodeBudget
 from roll.rollout.episode_batch import pad_evenly
 from roll.rollout.episodes import EpisodeScheduler, EpisodeSpec
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import SamplingParams
 
 
 @pytest.fixture(scope="module")

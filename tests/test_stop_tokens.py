@@ -14,9 +14,8 @@ from roll.data.batch import Batch
 from roll.data.padding import left_pad
 from roll.models.loading import end_of_sequence_ids, load_causal_lm, load_tokenizer
 from roll.strategies import hf_generate
-from roll.strategies.infer.base import GenerateRequest
 from roll.strategies.infer.hf import HFEngine
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import GenerateRequest, SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=8, greedy=True)
 

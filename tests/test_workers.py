@@ -19,8 +19,7 @@ from roll.distributed.weight_sync import WeightSync, WeightSyncError
 from roll.distributed.worker import register
 from roll.models.loading import load_tokenizer
 from roll.pipelines.common import prompt_batch, response_tensors, setup_trainer
-from roll.strategies.infer import GenerateRequest, GenerateResult
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
 from roll.workers.base import ModelSpec
 from roll.workers.reward import RewardWorker

@@ -29,7 +29,7 @@ from roll.pipelines.policy import PolicyPipeline
 from roll.pipelines.preflight import RunInputs
 from roll.pipelines.roles import Role
 from roll.pipelines.worker_specs import mini_batches_per_epoch
-from roll.rollout import RolloutBackend
+from roll.rollout.backend import RolloutBackend
 from roll.rollout.env_clients import RayEnvs
 from roll.rollout.episode import EpisodeBudget, demonstration
 from roll.rollout.episodes import EpisodeScheduler, EpisodeSpec, episode_metrics

@@ -18,7 +18,7 @@ from roll.data.prompts import PromptSet
 from roll.distributed.cluster import Cluster
 from roll.distributed.device_mapping import RoleDevices
 from roll.distributed.ray_utils import start_ray
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import SamplingParams
 from roll.tracking import Tracker, read_tracker_state
 
 if TYPE_CHECKING:

@@ -41,7 +41,7 @@ from roll.pipelines.run_dir import RunDirectory
 from roll.pipelines.run_loop import RunLoop
 from roll.pipelines.worker_specs import from_section
 from roll.rewards import score_response
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import SamplingParams
 from roll.tracking import Tracker
 from roll.utils.signals import set_activity
 from roll.workers.actor import ActorSpec, ActorWorker, DistillLossSpec, OptimizerSpec

@@ -61,8 +61,8 @@ from roll.pipelines.roles import Role, RoleSet
 from roll.pipelines.run_dir import RunDirectory
 from roll.pipelines.run_loop import RunLoop
 from roll.pipelines.worker_specs import device_roles, plan_workers, updates_per_step
-from roll.rollout import BatchBackend, RayBackend, RolloutBackend, RolloutRouter
-from roll.rollout.backend import RewardDispatch
+from roll.rollout.backend import BatchBackend, RayBackend, RewardDispatch, RolloutBackend
+from roll.rollout.router import RolloutRouter
 from roll.tracking import Tracker
 from roll.utils.signals import set_activity
 from roll.workers.actor import ActorWorker

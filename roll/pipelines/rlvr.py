@@ -24,8 +24,8 @@ from roll.pipelines.preflight import RunInputs
 from roll.pipelines.roles import Role
 from roll.rewards.scoring import DomainRewards, scored_in_controller
 from roll.rewards.spec import domain_specs
-from roll.rollout import RolloutBackend, RolloutScheduler
-from roll.rollout.backend import RewardDispatch, domain_ranks
+from roll.rollout.backend import RewardDispatch, RolloutBackend, domain_ranks
+from roll.rollout.scheduler import RolloutScheduler
 from roll.workers.reward import RewardWorker
 
 

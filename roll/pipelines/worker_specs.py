@@ -20,7 +20,7 @@ from roll.config.rlvr import RLVRConfig, tis_cap
 from roll.distributed.device_mapping import RoleDevices
 from roll.distributed.sync_probe import ProbeSpec, default_tolerance
 from roll.rollout.scheduler import SchedulerSpec
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import SamplingParams
 from roll.workers.actor import ActorSpec, LoraSpec, OptimizerSpec, PolicyLossSpec
 from roll.workers.base import ModelSpec
 from roll.workers.critic import CriticSpec

@@ -1,20 +1,7 @@
-"""The rollout layer: each sample's lifecycle from request to reward, routing over rollout workers,
-dynamic sampling and asynchronous generation (``RolloutScheduler``)."""
+"""The rollout layer: each sample's lifecycle from request to reward (``lifecycle``), routing over rollout
+workers (``router``, ``load_balancer``, ``backend``), dynamic sampling and asynchronous generation
+(``scheduler.RolloutScheduler``), and multi-turn episodes (``episodes``).
 
-from roll.rollout.backend import BatchBackend, RayBackend, RolloutBackend
-from roll.rollout.lifecycle import Sample, SampleState
-from roll.rollout.load_balancer import LoadBalancer
-from roll.rollout.router import RolloutRouter
-from roll.rollout.scheduler import RolloutScheduler, SchedulerSpec
-
-__all__ = [
-    "BatchBackend",
-    "LoadBalancer",
-    "RayBackend",
-    "RolloutBackend",
-    "RolloutRouter",
-    "RolloutScheduler",
-    "Sample",
-    "SampleState",
-    "SchedulerSpec",
-]
+Nothing is imported here, so that a light module such as ``lifecycle`` loads without the scheduler's
+torch and Ray.
+"""

@@ -27,7 +27,7 @@ from roll.distributed.cluster import Cluster, ClusterFuture, wait_any
 from roll.rewards.base import RewardError
 from roll.rewards.scoring import DomainRewards, score_rows
 from roll.rollout.router import RolloutRouter
-from roll.strategies.infer.base import GenerateRequest, GenerateResult
+from roll.strategies.requests import GenerateRequest, GenerateResult
 
 __all__ = ["BatchBackend", "Events", "RayBackend", "RolloutBackend", "ScoreJob", "Scored"]
 

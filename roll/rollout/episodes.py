@@ -50,8 +50,7 @@ from roll.rollout.episode import Episode, EpisodeBudget, StopReason
 from roll.rollout.episode_batch import trajectory_batch, turn_batch
 from roll.rollout.episode_metrics import episode_metrics
 from roll.rollout.tool_calls import ToolFailureMonitor
-from roll.strategies.infer.base import GenerateRequest
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import GenerateRequest, SamplingParams
 
 __all__ = ["EpisodeScheduler", "EpisodeSpec", "episode_metrics"]
 

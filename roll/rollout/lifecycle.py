@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from roll.strategies.infer.base import GenerateResult
+from roll.strategies.requests import GenerateResult
 
 __all__ = ["IllegalTransition", "Sample", "SampleState", "TRANSITIONS", "stage_seconds"]
 

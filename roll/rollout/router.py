@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import ray
 
 from roll.distributed.cluster import Cluster, ClusterFuture
-from roll.strategies.infer.base import GenerateRequest, GenerateResult
+from roll.strategies.requests import GenerateRequest, GenerateResult
 
 __all__ = ["RolloutRouter"]
 

@@ -45,8 +45,7 @@ from roll.data.prompts import PromptSet
 from roll.rollout.backend import Events, RolloutBackend, Scored, ScoreJob
 from roll.rollout.lifecycle import Sample, SampleState, stage_seconds
 from roll.rollout.load_balancer import LoadBalancer
-from roll.strategies.infer.base import GenerateRequest, GenerateResult
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 
 __all__ = ["PromptGroup", "RolloutScheduler", "SchedulerSpec", "assemble_batch"]
 

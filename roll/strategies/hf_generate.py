@@ -9,7 +9,7 @@ import torch.distributed as dist
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
 from roll.data.batch import Batch
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import SamplingParams
 
 
 class _SampledLogprobs(LogitsProcessor):

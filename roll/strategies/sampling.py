@@ -1,36 +1,10 @@
-"""Sampling parameters shared by every inference engine, and the token sampler of ROLL's own engine."""
+"""The token sampler of ROLL's own engine (``SamplingParams`` is in ``roll.strategies.requests``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one response. Hashable: engines batch requests with equal params together.
-
-    ``stop_token_ids`` end a response (finish reason "stop", the stop token kept) besides the model's
-    end-of-sequence ids, which always do (``roll.models.loading.end_of_sequence_ids``): e.g. the token
-    that closes a turn of a multi-turn episode."""
-
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    greedy: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-
-    def as_greedy(self, max_new_tokens: int | None = None) -> SamplingParams:
-        return SamplingParams(
-            max_new_tokens=max_new_tokens or self.max_new_tokens,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            greedy=True,
-            stop_token_ids=self.stop_token_ids,
-        )
+from roll.strategies.requests import SamplingParams
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ import torch
 from roll.data.batch import Batch
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.worker import Worker, register
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import SamplingParams
 
 
 @dataclass

@@ -14,10 +14,10 @@ from roll.data.batch import Batch
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.sync_probe import score_after_transfer
 from roll.distributed.worker import register
-from roll.strategies.infer import INFERENCE_ENGINES, GenerateRequest, GenerateResult, InferenceEngine
+from roll.strategies.infer import INFERENCE_ENGINES, InferenceEngine
 from roll.strategies.infer.prefix_store import DEFAULT_PREFIX_CACHE_TOKENS
 from roll.strategies.lora import ADAPTER, FULL, PAYLOADS
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 from roll.workers.base import ModelSpec, ModelWorker
 
 # Single requests go to one worker, so they are plain methods that the router or the rollout scheduler

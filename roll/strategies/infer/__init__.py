@@ -7,25 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from roll.strategies.infer.base import (
-    FINISH_REASONS,
-    INFERENCE_ENGINES,
-    FinishReason,
-    GenerateRequest,
-    GenerateResult,
-    InferenceEngine,
-    NamedTensors,
-)
+from roll.strategies.infer.base import INFERENCE_ENGINES, InferenceEngine, NamedTensors
 
-__all__ = [
-    "FINISH_REASONS",
-    "INFERENCE_ENGINES",
-    "FinishReason",
-    "GenerateRequest",
-    "GenerateResult",
-    "InferenceEngine",
-    "NamedTensors",
-]
+__all__ = ["INFERENCE_ENGINES", "InferenceEngine", "NamedTensors"]
 
 
 # devices_per_worker: the devices one worker can use (rollout.num_devices_per_worker is held to it).

@@ -9,80 +9,21 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
 from roll.data.batch import Batch
-from roll.strategies.sampling import SamplingParams
+from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 from roll.utils.registry import Registry
 
 __all__ = [
-    "FINISH_REASONS",
     "INFERENCE_ENGINES",
-    "FinishReason",
-    "GenerateRequest",
-    "GenerateResult",
     "InferenceEngine",
     "NamedTensors",
 ]
 
-FinishReason = Literal["stop", "length", "abort"]
-FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
-
 # A whole state dict, or (name, tensor) pairs streamed bucket by bucket from the trainer.
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    """One prompt to complete.
-
-    Args:
-        request_id: unique among the engine's unfinished requests; the handle for ``await_result``
-            and ``abort``.
-        prompt_ids: the prompt's token ids (no padding); stored as a tuple so the request is immutable.
-        params: how to sample; requests with equal params can share one batch.
-        cache_key: names a sequence of requests whose prompts extend one another (an episode id: turn
-            k's prompt is turn k-1's prompt, its sampled tokens and the next observation). An engine may
-            keep the KV cache of such a request when it ends and start the next request of the same key
-            from it, prefilling only the new tokens (``HFEngine``'s prefix store). A hint only: results
-            are the same with or without it. None: nothing is kept.
-    """
-
-    request_id: str
-    prompt_ids: Sequence[int]
-    params: SamplingParams
-    cache_key: str | None = None
-
-    def __post_init__(self) -> None:
-        prompt_ids = tuple(int(t) for t in self.prompt_ids)
-        if not prompt_ids:
-            raise ValueError(f"request {self.request_id!r} has an empty prompt; give at least one token id")
-        # Frozen dataclass: __setattr__ is blocked, so normalise through object.__setattr__.
-        object.__setattr__(self, "prompt_ids", prompt_ids)
-
-
-@dataclass
-class GenerateResult:
-    """What became of one request.
-
-    ``token_ids`` are the generated tokens up to and including EOS (no padding); ``logprobs`` holds one
-    value per token, the log-probability of the sampled token under the sampling temperature (the same
-    quantity as ``rollout_logprobs`` of batch generation). ``finish_reason`` is "stop" (EOS), "length"
-    (``max_new_tokens`` reached) or "abort" (``abort`` was called; the tokens are those produced so far,
-    none for a request that had not started). ``weight_versions`` holds, per token, the version of the
-    weights that sampled it (the ``version`` given to ``load_weights`` or ``weight_update``; -1 for an
-    engine never given one, while the rollout worker labels a run's initial weights 0): a request in
-    flight across a weight update shows both versions, which is what staleness bounds are checked on.
-    """
-
-    request_id: str
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    weight_versions: list[int] = field(default_factory=list)
 
 
 class InferenceEngine(abc.ABC):

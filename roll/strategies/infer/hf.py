@@ -36,10 +36,11 @@ from roll.data.padding import left_pad, position_ids_from_mask
 from roll.models.loading import end_of_sequence_ids
 from roll.strategies.cpu_threads import decode_threads
 from roll.strategies.infer.adapter_merge import AdapterMerger
-from roll.strategies.infer.base import GenerateRequest, GenerateResult, InferenceEngine, NamedTensors
+from roll.strategies.infer.base import InferenceEngine, NamedTensors
 from roll.strategies.infer.kv_cache import SlotCache
 from roll.strategies.infer.prefix_store import DEFAULT_PREFIX_CACHE_TOKENS, PrefixStore, StoredPrefix
-from roll.strategies.sampling import SamplingParams, sample_tokens
+from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
+from roll.strategies.sampling import sample_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
