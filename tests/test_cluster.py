@@ -326,6 +326,21 @@ def test_wait_any_raises_for_an_overdue_call_naming_its_rank(make_cluster, tmp_p
         failed.get()
 
 
+def test_discard_waits_up_to_its_timeout_and_drops_results_and_errors(echo_pair, tmp_path):
+    gate = tmp_path / "gate"
+    blocked = echo_pair.call_rank(0, "wait_for_file", str(gate), blocking=False)
+    start = time.monotonic()
+    echo_pair.discard([blocked], timeout_s=0.3)
+    assert 0.3 <= time.monotonic() - start < 60  # the timeout ended the wait: the call cannot end first
+    gate.touch()
+    failing = echo_pair.call_rank(1, "scale", "x", None, blocking=False)  # "x" * None raises on rank 1
+    echo_pair.discard([blocked, failing], timeout_s=120)  # the failure is dropped, not raised
+    # Both calls had ended: rank 0 is free again for the module's other tests.
+    refs = [*blocked.refs, *failing.refs]
+    assert len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == 2
+    echo_pair.discard([], timeout_s=10)
+
+
 # ------------------------------------------------------------------ failures surface with role and rank
 
 

@@ -246,6 +246,14 @@ class Cluster:
                 lost.add(refs[ref])
         return sorted(lost)
 
+    def discard(self, futures: Sequence[ClusterFuture], timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for ``futures`` (calls of this cluster) to end, then drop them: their
+        results and errors are never read. For a caller that stops using the calls it has in flight
+        but must not leave them running into whoever calls these ranks next."""
+        refs = list(dict.fromkeys(ref for future in futures for ref in future.refs))  # ray.wait: unique
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
     def kill(self) -> None:
         """Ask every rank to release its resources, then end the actors."""
         # A frozen rank would only make everyone wait for its answer: it is killed without asking.

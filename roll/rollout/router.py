@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import ray
-
 from roll.distributed.cluster import Cluster, ClusterFuture
 from roll.strategies.requests import GenerateRequest, GenerateResult
 
@@ -72,9 +70,7 @@ class RolloutRouter:
         """Wait up to ``timeout_s`` for the calls in flight (a ``collect_finished`` returns within
         ``collect_wait_s``) and drop their results and errors, opening no new ones: a collect left open
         would take the results of whoever sends to these workers next."""
-        refs = [ref for future in [*self._collects, *self._calls] for ref in future.refs]
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        self.rollout.discard([*self._collects, *self._calls], timeout_s)
         self._collects.clear()
         self._calls.clear()
 
