@@ -23,7 +23,7 @@ from roll.config.rlvr import (
     RolloutConfig,
 )
 from roll.pipelines.credit import compute_advantages, shape_scores
-from roll.pipelines.worker_specs import RLVRWorkerPlan, from_section, plan_workers
+from roll.pipelines.worker_specs import WorkerPlan, from_section, plan_workers
 from roll.workers.actor import ActorSpec, OptimizerSpec, PolicyLossSpec
 from roll.workers.base import ModelSpec
 from roll.workers.rollout import RolloutSpec
@@ -95,7 +95,7 @@ def base_config() -> RLVRConfig:
     return cfg
 
 
-def plan_of(cfg: RLVRConfig) -> RLVRWorkerPlan:
+def plan_of(cfg: RLVRConfig) -> WorkerPlan:
     return plan_workers(cfg, "/models/policy")
 
 

@@ -1,10 +1,10 @@
-"""What each worker of an RLVR run receives, built from the config in one place.
+"""What each worker of an RL run (RLVR or agentic) receives, built from the config in one place.
 
 A worker spec field takes the config section's field of the same name (``from_section``): an option
 reaches its worker by being declared in both, with no copying code to forget (``actor.
 micro_batch_tokens`` was once validated, documented and never passed on). What the pipeline computes
 (the model to load, the length of the LR schedule, timeouts) is passed explicitly. The pipeline reads
-everything it hands to workers from ``RLVRWorkerPlan``, and a test changes every ``actor``, ``critic``
+everything it hands to workers from ``WorkerPlan``, and a test changes every ``actor``, ``critic``
 and ``rollout`` option in turn and checks that the plan changes.
 """
 
@@ -27,7 +27,7 @@ from roll.workers.critic import CriticSpec
 from roll.workers.rollout import RolloutSpec
 
 __all__ = [
-    "RLVRWorkerPlan",
+    "WorkerPlan",
     "device_roles",
     "from_section",
     "lora_spec",
@@ -81,8 +81,8 @@ def mini_batches_per_epoch(section: Any, samples: int) -> int:
 
 
 @dataclass(frozen=True)
-class RLVRWorkerPlan:
-    """Everything an RLVR run gives its workers, derived from the config alone."""
+class WorkerPlan:
+    """Everything an RL run (RLVR or agentic) gives its workers, derived from the config alone."""
 
     actor: ActorSpec
     critic: CriticSpec | None
@@ -98,7 +98,7 @@ class RLVRWorkerPlan:
     roles: tuple[RoleDevices, ...]  # devices and world size of each device-holding role
 
 
-def plan_workers(cfg: RLVRConfig, model_path: str, rows_vary: bool = False) -> RLVRWorkerPlan:
+def plan_workers(cfg: RLVRConfig, model_path: str, rows_vary: bool = False) -> WorkerPlan:
     """The plan for a run whose initial policy is at ``model_path`` (after any warm start).
 
     ``rows_vary``: a step's batch has as many rows as its episodes have turns (step-wise agentic), not
@@ -138,7 +138,7 @@ def plan_workers(cfg: RLVRConfig, model_path: str, rows_vary: bool = False) -> R
         critic = from_section(CriticSpec, cfg.critic, model=critic_model, **trainer_fields(cfg.critic))
     # A tuple: sampling params are hashable (the engine groups requests by them).
     sampling = from_section(SamplingParams, rollout, stop_token_ids=tuple(rollout.stop_token_ids))
-    return RLVRWorkerPlan(
+    return WorkerPlan(
         actor=actor,
         critic=critic,
         rollout=from_section(RolloutSpec, rollout, model=inference_model),
