@@ -263,7 +263,6 @@ def _probe(mode: str) -> tuple[bool, str]:
 
 
 @lru_cache(maxsize=1)
-@lru_cache(maxsize=1)
 def _site_dirs() -> tuple[str, ...]:
     """The interpreter's site-packages, which the program's ``python -S`` would not add itself."""
     import site
