@@ -109,7 +109,7 @@ class Episode:
         if observation is None:
             try:
                 observation, _ = self.env.reset(self.seed)
-            except Exception as error:  # noqa: BLE001 - an env failure costs the episode, never the run
+            except Exception as error:  # noqa: BLE001 - an env failure ends only this episode
                 self._end(StopReason.ENV_ERROR, error)
                 return
         self.observation = observation
@@ -171,7 +171,7 @@ class Episode:
             return turn.text
         try:
             result = self.env.step(turn.text)
-        except Exception as error:  # noqa: BLE001 - an env failure costs the episode, never the run
+        except Exception as error:  # noqa: BLE001 - an env failure ends only this episode
             self._end(StopReason.ENV_ERROR, error)
             return None
         self.observe(*result)

@@ -12,9 +12,11 @@ agentic pipeline full training batches: one sample per episode, or step-wise one
   drawn*, once all of them are complete: taking groups as they complete would favour short episodes.
 - **Failures.** An environment that raises or hangs has been retried once by its pool (see
   ``roll.envs.pool``); if it failed again, its episode is dropped. A group that can no longer complete
-  is dropped and a new seed is drawn in its place: no env failure stops the run, and the counters
-  (``env/error_frac``, ``env/timeout_frac``, ``rollout/dropped_groups``) say what happened. Only when
-  far more groups fail than a step wants does the step stop, naming the env's last error.
+  is dropped and a new seed is drawn in its place, and the counters (``env/error_frac``,
+  ``env/timeout_frac``, ``rollout/dropped_groups``) say what happened. A failing env costs episodes, not
+  the run, up to a bound: once more than ``EpisodeSpec.max_dropped_groups`` groups are dropped in one
+  step (``4 x groups_per_step + 8``, ``groups_per_step`` being ``rollout.rollout_batch_size``), the step
+  raises, naming the env's last error, and the run stops.
 - **Stop reasons.** ``stop_policy`` says per reason whether an episode is trained on as is (``train``),
   kept in its group's baseline with no token trained (``mask``), or trained with return 0 (``zero``).
 - **Synchronous** (``async_generation_ratio`` 0): episodes are played only inside ``next_batch``;
@@ -78,7 +80,7 @@ class EpisodeSpec:
 
     @property
     def max_dropped_groups(self) -> int:
-        """Dropped groups one step tolerates before it stops with the env's error."""
+        """Dropped groups one step tolerates; one more stops the step, and the run, with the env's error."""
         return 4 * self.groups_per_step + 8
 
 
