@@ -12,7 +12,7 @@ from roll.data.dataset import PromptIterator
 from roll.data.prompts import PromptSet, render_prompt
 from roll.distributed.cluster import Cluster
 from roll.pipelines.common import prompt_batch
-from roll.rollout.backend import RayBackend, RewardDispatch, ScoreJob
+from roll.rollout.backend import RayBackend, RewardDispatch
 from roll.rollout.router import RolloutRouter
 from roll.rollout.scheduler import RolloutScheduler, SchedulerSpec
 from roll.strategies.requests import SamplingParams
@@ -93,56 +93,10 @@ def test_sync_scheduler_gives_the_batch_of_batch_generation_then_batch_scoring(
     assert metrics["rollout/staleness_max"] == 0 and metrics["rollout/generate_s"] > 0
 
 
-class RecordingBackend(RayBackend):
-    """Notes when each response came back and when its reward was sent (driver clock)."""
-
-    def __init__(self, *args, clock, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.clock, self.generated_at, self.scored_at = clock, {}, {}
-
-    def score(self, jobs: list[ScoreJob]) -> None:
-        for job in jobs:
-            self.scored_at[job.request_id] = self.clock()
-        super().score(jobs)
-
-    def poll(self, timeout_s: float):
-        events = super().poll(timeout_s)
-        for result in events.generated:
-            self.generated_at[result.request_id] = self.clock()
-        return events
-
-
-def test_short_samples_are_scored_while_a_long_one_still_generates(tiny_model_path, prompts, tokenizer):
-    import time
-
-    rollout, scorer = start(tiny_model_path, 1)
-    backend = RecordingBackend(
-        RolloutRouter(rollout), RewardDispatch(scorer, tokenizer.pad_token_id), clock=time.monotonic
-    )
-    first = PromptIterator(prompts.rows, 4, seed=1).next_indices()[0]
-    long_row = prompts.rows[first]
-    spec = SchedulerSpec(rollout_batch_size=4, num_return_sequences=4)
-    sched = RolloutScheduler(
-        backend,
-        prompts,
-        PromptIterator(prompts.rows, 4, seed=1),
-        spec,
-        PARAMS,
-        tokenizer,
-        # The first prompt's samples may run to 28 tokens (a random model rarely stops); the rest 2.
-        params_for=lambda row: SamplingParams(max_new_tokens=28 if row is long_row else 2),
-    )
-    try:
-        batch, _ = sched.next_batch(1)
-    finally:
-        sched.close()
-        rollout.kill()
-        scorer.kill()
-    lengths = batch["response_mask"].sum(dim=1)
-    long_ids = [f"g0-{k}" for k in range(4) if lengths[k] > 2]
-    assert long_ids, "the long prompt's samples ran past the short budget"
-    short_scored = [t for rid, t in backend.scored_at.items() if not rid.startswith("g0-")]
-    assert max(short_scored) < min(backend.generated_at[rid] for rid in long_ids)
+# That a reward starts as soon as its sample finishes, while others still generate, is proven without a
+# race in two halves: the engine hands a short request over while a long one runs
+# (test_continuous_batching), and the scheduler scores each result as it comes back (test_rollout_scheduler,
+# on a controlled clock). Timing it here on real workers compared two clocks and failed CI once.
 
 
 def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tiny_model_path, prompts, tokenizer):
