@@ -136,16 +136,13 @@ def strict_number(prompt, response, sample):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["worker", "controller"])
-def test_a_failing_reward_exits_with_an_error_naming_where_it_failed(repo_root, tmp_path, ray_address, where):
-    """What the user sees on stderr, and the exit code, when the reward fails on a worker or in the
-    controller: needs the CLI process and a running pipeline."""
+def test_a_reward_failing_on_a_worker_exits_with_an_error_naming_the_rank(repo_root, tmp_path, ray_address):
+    """What the user sees on stderr, and the exit code, when the reward fails on a reward worker: needs the
+    CLI process and a running pipeline (the remote error crosses Ray, the scheduler and the CLI)."""
     # Rows have an answer, so they load; the reward then fails: the answer is no number.
     rows = tmp_path / "words.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"{i}+{i}", "answer": "many"}) + "\n" for i in range(16)))
     (tmp_path / "failing_reward.py").write_text(FAILING_REWARD)
-    on_workers = ["imports=[failing_reward]", "reward=strict_number"]
-    reward = on_workers if where == "worker" else ["reward=numeric_match"]
     result = roll_train(
         repo_root,
         str(repo_root / "examples" / "quickstart.yaml"),
@@ -154,20 +151,46 @@ def test_a_failing_reward_exits_with_an_error_naming_where_it_failed(repo_root, 
         "data.eval_path=null",
         "eval.every_steps=0",
         "sft_warm_start=null",
-        *reward,
+        "imports=[failing_reward]",
+        "reward=strict_number",
         "steps=2",
         "tracking.backends=[jsonl]",
         env={"RAY_ADDRESS": ray_address},
         returncode=1,
         cwd=tmp_path,  # where the plugin is imported from
     )
-    if where == "worker":
-        assert "error: reward rank 0 failed in compute_rewards()" in result.stderr
-        assert "could not convert string to float: 'many'" in result.stderr  # the remote message
-    else:
-        expected = "error: the reward of domain 'default' (numeric_match) failed in the controller"
-        assert expected in result.stderr
-        assert "needs a numeric 'answer'" in result.stderr
+    assert "error: reward rank 0 failed in compute_rewards()" in result.stderr
+    assert "could not convert string to float: 'many'" in result.stderr  # the remote message
+
+
+def test_a_reward_failing_in_the_controller_exits_with_an_error_naming_its_domain(
+    repo_root, tmp_path, monkeypatch
+):
+    """The same for a reward scored in the controller. The error is the one the reward dispatch raises
+    (its text is test_domains'); a whole run adds nothing the worker case above does not show, so the
+    pipeline is replaced by one that raises it."""
+    from typer.testing import CliRunner
+
+    import roll.pipelines
+    from roll.cli import app
+    from roll.rewards.scoring import DomainRewards
+    from roll.rewards.spec import RewardSpec
+    from roll.rollout.backend import RewardDispatch, ScoreJob
+
+    numeric = RewardSpec.single("numeric_match")
+    dispatch = RewardDispatch(None, pad_id=0, ranks={}, inline={"default": DomainRewards(numeric, numeric)})
+
+    def run_pipeline(*args: object, **kwargs: object) -> None:
+        dispatch.send([ScoreJob("r0", "1+1", "2", {"answer": "many"}, [1], "default")])
+
+    monkeypatch.setattr(roll.pipelines, "run_pipeline", run_pipeline)
+    monkeypatch.chdir(repo_root)
+    result = CliRunner().invoke(
+        app, ["train", "examples/quickstart.yaml", f"output_dir={tmp_path / 'run'}", "reward=numeric_match"]
+    )
+    assert result.exit_code == 1, result.output
+    expected = "error: the reward of domain 'default' (numeric_match) failed in the controller"
+    assert expected in result.stderr and "needs a numeric 'answer'" in result.stderr
 
 
 def test_rows_missing_a_field_the_reward_reads_fail_at_load_naming_file_and_line(repo_root, tmp_path):

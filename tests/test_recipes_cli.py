@@ -18,10 +18,11 @@ from roll.config.loader import load_config
 from roll.pipelines.rlvr import RLVRPipeline
 
 # Recipes that take a code path of their own (group filters and extra prompts, several mini-batches and a
-# sequence-level loss, a critic, KL in the reward with one sample per prompt). grpo, dr_grpo and rloo
-# differ from the quickstart only in a registered estimator or aggregation, tested alone in
-# test_algorithms and test_algorithm_zoo, and load like every recipe in test_recipes_config.
-RUN_RECIPES = ["dapo", "gspo", "ppo", "reinforce_pp"]
+# sequence-level loss, KL in the reward with one sample per prompt). grpo, dr_grpo and rloo differ from
+# the quickstart only in a registered estimator or aggregation, tested alone in test_algorithms and
+# test_algorithm_zoo, and load like every recipe in test_recipes_config. ppo (a critic) runs whole in
+# test_resume, which checks its critic's metrics and saved critic.
+RUN_RECIPES = ["dapo", "gspo", "reinforce_pp"]
 
 
 def train_in_process(config: str, *overrides: str) -> None:
@@ -31,7 +32,6 @@ def train_in_process(config: str, *overrides: str) -> None:
 
 # What each recipe must log beyond the common metrics: evidence its algorithm really ran.
 RECIPE_METRICS = {
-    "ppo": ["critic/loss", "critic/explained_variance", "critic/vf_clip_frac", "returns/mean"],
     "reinforce_pp": ["reward/kl", "actor/kl_coef"],
     "dapo": ["reward/shaped_mean"],
 }
@@ -59,8 +59,6 @@ def test_recipe_trains_two_steps(recipe, tmp_path):
         for key in ["actor/loss", "actor/grad_norm", "advantages/abs_mean", *RECIPE_METRICS.get(recipe, [])]:
             assert math.isfinite(row[key]), (key, row)
     assert (out / "model" / "config.json").is_file()
-    if recipe == "ppo":
-        assert (out / "critic" / "config.json").is_file()
 
 
 @pytest.mark.slow
