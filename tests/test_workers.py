@@ -54,25 +54,34 @@ def sampled_batch(rollout: Cluster, prompts: PromptSet, pad_id: int, repeats: in
     return batch.union(rollout.generate(batch, SamplingParams(max_new_tokens=5)))
 
 
-def test_generate_returns_masked_responses_and_matching_logprobs(tiny_model_path, prompts):
-    tokenizer = load_tokenizer(tiny_model_path)
-    rollout = Cluster("rollout", RolloutWorker, 2, Holder(ModelSpec(path=tiny_model_path)))
+@pytest.fixture(scope="module")
+def one_slot_rollout(tiny_model_path):
+    """Two rollout workers that decode one request at a time, shared by the tests that only generate
+    (each start of two model workers costs seconds of imports)."""
+    spec = RolloutSpec(model=ModelSpec(path=tiny_model_path), max_running_requests=1)
+    rollout = Cluster("rollout", RolloutWorker, 2, spec)
     try:
         rollout.setup()
-        batch = sampled_batch(rollout, prompts, tokenizer.pad_token_id)
-        assert batch["response_ids"].shape == (8, 5)
-        mask = batch["response_mask"]
-        # The mask is a prefix of ones, ending at the first EOS when the response stopped.
-        assert torch.all(mask[:, 1:] <= mask[:, :-1])
-        for ids, m, reason in zip(batch["response_ids"], mask, batch["finish_reason"]):
-            kept = ids[m.bool()].tolist()
-            assert (reason == "stop") == (tokenizer.eos_token_id in kept)
-            assert torch.all(ids[~m.bool()] == tokenizer.pad_token_id)
-        # The sampler's logprobs are the trainer's logprobs of the same tokens.
-        recomputed = rollout.compute_logprobs(batch)["logprobs"]
-        torch.testing.assert_close(recomputed, batch["rollout_logprobs"], atol=1e-4, rtol=1e-4)
+        yield rollout
     finally:
         rollout.kill()
+
+
+def test_generate_returns_masked_responses_and_matching_logprobs(one_slot_rollout, tiny_model_path, prompts):
+    tokenizer = load_tokenizer(tiny_model_path)
+    rollout = one_slot_rollout
+    batch = sampled_batch(rollout, prompts, tokenizer.pad_token_id)
+    assert batch["response_ids"].shape == (8, 5)
+    mask = batch["response_mask"]
+    # The mask is a prefix of ones, ending at the first EOS when the response stopped.
+    assert torch.all(mask[:, 1:] <= mask[:, :-1])
+    for ids, m, reason in zip(batch["response_ids"], mask, batch["finish_reason"]):
+        kept = ids[m.bool()].tolist()
+        assert (reason == "stop") == (tokenizer.eos_token_id in kept)
+        assert torch.all(ids[~m.bool()] == tokenizer.pad_token_id)
+    # The sampler's logprobs are the trainer's logprobs of the same tokens.
+    recomputed = rollout.compute_logprobs(batch)["logprobs"]
+    torch.testing.assert_close(recomputed, batch["rollout_logprobs"], atol=1e-4, rtol=1e-4)
 
 
 def test_weight_transfer_makes_rollout_match_trainer(tiny_model_path, prompts):
@@ -116,44 +125,39 @@ def collect_from(rollout: Cluster, rank: int, count: int) -> dict[str, GenerateR
     return results
 
 
-def test_rollout_worker_serves_groups_on_one_rank_with_version_zero(tiny_model_path, prompts):
+def test_rollout_worker_serves_groups_on_one_rank_with_version_zero(one_slot_rollout, prompts):
     """The rollout scheduler's path: a group in with submit_many on one rank, results out with
     collect_finished, aborts with abort_many; tokens before any sync carry weights version 0."""
-    spec = RolloutSpec(model=ModelSpec(path=tiny_model_path), max_running_requests=1)
-    rollout = Cluster("rollout", RolloutWorker, 2, spec)
-    try:
-        rollout.setup()
-        greedy = SamplingParams(max_new_tokens=4, greedy=True)
-        group = [GenerateRequest(f"group-{i}", prompts.token_ids[0], greedy) for i in range(3)]
-        rollout.call_rank(1, "submit_many", group)
-        results = collect_from(rollout, 1, 3)
-        assert rollout.call_rank(0, "collect_finished", 0.0) == []  # the group went to rank 1 only
-        tokens = {tuple(result.token_ids) for result in results.values()}
-        assert len(tokens) == 1, "greedy samples of one prompt differ"
-        for result in results.values():
-            assert result.weight_versions == [0] * len(result.token_ids) and result.token_ids
+    rollout = one_slot_rollout
+    greedy = SamplingParams(max_new_tokens=4, greedy=True)
+    group = [GenerateRequest(f"group-{i}", prompts.token_ids[0], greedy) for i in range(3)]
+    rollout.call_rank(1, "submit_many", group)
+    results = collect_from(rollout, 1, 3)
+    assert rollout.call_rank(0, "collect_finished", 0.0) == []  # the group went to rank 1 only
+    tokens = {tuple(result.token_ids) for result in results.values()}
+    assert len(tokens) == 1, "greedy samples of one prompt differ"
+    for result in results.values():
+        assert result.weight_versions == [0] * len(result.token_ids) and result.token_ids
 
-        # One slot: "running" decodes while "waiting" is queued behind it. Greedy, this prompt meets no
-        # EOS, so "running" would go on for 100,000 steps (many minutes), far longer than the aborts take
-        # to arrive however busy the machine.
-        long = SamplingParams(max_new_tokens=100_000, greedy=True)
-        prefilled = rollout.call_rank(0, "prefix_stats")["prefill_tokens"]
-        rollout.call_rank(
-            0,
-            "submit_many",
-            [GenerateRequest(name, prompts.token_ids[1], long) for name in ("running", "waiting")],
-        )
-        # Once its prompt is prefilled "running" is in the batch: aborted from then on, it keeps the
-        # token of the step in progress (aborted before, it would end with none, like "waiting").
-        deadline = time.monotonic() + 300
-        while rollout.call_rank(0, "prefix_stats")["prefill_tokens"] == prefilled:
-            assert time.monotonic() < deadline, '"running" was never admitted'
-            time.sleep(0.01)
-        assert rollout.call_rank(0, "abort_many", ["waiting", "never-submitted"]) == [True, False]
-        aborted_running = rollout.call_rank(0, "abort_many", ["running"])
-        results = collect_from(rollout, 0, 2)
-    finally:
-        rollout.kill()
+    # One slot: "running" decodes while "waiting" is queued behind it. Greedy, this prompt meets no
+    # EOS, so "running" would go on for 100,000 steps (many minutes), far longer than the aborts take
+    # to arrive however busy the machine.
+    long = SamplingParams(max_new_tokens=100_000, greedy=True)
+    prefilled = rollout.call_rank(0, "prefix_stats")["prefill_tokens"]
+    rollout.call_rank(
+        0,
+        "submit_many",
+        [GenerateRequest(name, prompts.token_ids[1], long) for name in ("running", "waiting")],
+    )
+    # Once its prompt is prefilled "running" is in the batch: aborted from then on, it keeps the
+    # token of the step in progress (aborted before, it would end with none, like "waiting").
+    deadline = time.monotonic() + 300
+    while rollout.call_rank(0, "prefix_stats")["prefill_tokens"] == prefilled:
+        assert time.monotonic() < deadline, '"running" was never admitted'
+        time.sleep(0.01)
+    assert rollout.call_rank(0, "abort_many", ["waiting", "never-submitted"]) == [True, False]
+    aborted_running = rollout.call_rank(0, "abort_many", ["running"])
+    results = collect_from(rollout, 0, 2)
     assert results["waiting"] == GenerateResult("waiting", [], [], "abort")
     running = results["running"]
     assert aborted_running == [True] and running.finish_reason == "abort"
