@@ -12,88 +12,41 @@ from __future__ import annotations
 import hashlib
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from roll.config.distill import DistillConfig
 from roll.data.batch import Batch
 from roll.data.columns import ANSWER
-from roll.data.dataset import PromptIterator
 from roll.data.prompts import PromptSet
-from roll.distributed.cluster import Cluster
-from roll.distributed.device_mapping import role_devices
-from roll.distributed.liveness import Liveness
-from roll.pipelines.common import (
-    evaluate,
-    init_ray,
-    place_trainer,
-    prepare_model,
-    prompt_batch,
-    response_tensors,
-    setup_trainer,
-    write_resolved_config,
-)
-from roll.pipelines.preflight import RunInputs, preflight
-from roll.pipelines.recovery import RestartBudget
+from roll.pipelines.common import prompt_batch, response_tensors, setup_trainer
+from roll.pipelines.preflight import RunInputs
 from roll.pipelines.reference_cache import cache_file, load_cached, model_fingerprint, save_cached
-from roll.pipelines.run_dir import RunDirectory
-from roll.pipelines.run_loop import RunLoop
+from roll.pipelines.trainer_pipeline import TrainerPipeline
 from roll.pipelines.worker_specs import from_section
-from roll.rewards import score_response
-from roll.strategies.requests import SamplingParams
 from roll.tracking import Tracker
 from roll.utils.signals import set_activity
 from roll.workers.actor import ActorSpec, ActorWorker, DistillLossSpec, OptimizerSpec
 from roll.workers.base import ModelSpec
 from roll.workers.reference import ReferenceWorker
 
-if TYPE_CHECKING:
-    from roll.distributed.placement import DeviceTable, RankPlacement
-
 TEACHER_FIELDS = ("teacher_indices", "teacher_logprobs")
 STUDENT_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", *TEACHER_FIELDS)
 
 
-class DistillPipeline(RunLoop):
-    """Offline distillation (``DistillConfig``)."""
+class DistillPipeline(TrainerPipeline):
+    """Offline distillation (``DistillConfig``): the student is the trained ``actor``; the teacher
+    scores on its devices before the first step, then stops."""
 
-    name = "distillation"
+    name = label = "distillation"
+    saved_as = "student"
 
-    def __init__(
-        self,
-        config: DistillConfig,
-        inputs: RunInputs | None = None,
-        resume: str | None = None,
-        overwrite: bool = False,
-    ):
-        self.config = config
-        inputs = inputs or preflight(config)
-        self.tokenizer = inputs.tokenizer
+    def read_inputs(self, inputs: RunInputs) -> None:
         self.train_rows: PromptSet = inputs.train
         self.eval_prompts: PromptSet | None = inputs.eval
-        self.eval_sampling = SamplingParams(max_new_tokens=config.eval.max_new_tokens, greedy=True)
-        self.budget = RestartBudget(config.checkpoint.max_restarts)
-        self.actor: Cluster | None = None
         # Each split's teacher outputs by row: lists of [T_i, k] ids and [T_i, S] log-probabilities.
         self.teacher: dict[str, dict[str, list[torch.Tensor]]] = {}
-        self.order = PromptIterator(self.train_rows.rows, config.train.batch_size, seed=config.seed)
-        self.device_table: DeviceTable | None = None
-        self.placements: list[RankPlacement] | None = None
-        self.run_dir = RunDirectory(config.output_dir, resume, overwrite)
-        try:
-            init_ray(config.ray)
-            # The trainer's devices (the teacher scores on them first), or CPU ranks.
-            devices = role_devices("train", config.train.device_mapping, config.train.world_size)
-            self.device_table, self.placements = place_trainer(devices, config.ray.call_timeout_s)
-            write_resolved_config(config, config.output_dir)
-            self.model_path = prepare_model(config.model, config.output_dir)
-            self._start_student()
-        except BaseException:
-            self.shutdown()
-            raise
 
-    def _start_student(self) -> None:
+    def start_workers(self) -> None:
         cfg, train = self.config, self.config.train
         spec = from_section(
             ActorSpec,
@@ -104,52 +57,8 @@ class DistillPipeline(RunLoop):
             collective_timeout_s=cfg.ray.call_timeout_s,
         )
         set_activity("starting the student")
-        self.actor = self._cluster("actor", ActorWorker, train.world_size, spec)
+        self.workers["actor"] = self.cluster("actor", ActorWorker, self.world_size, spec)
         setup_trainer(self.actor)
-
-    def _cluster(self, role: str, worker: type, world_size: int, spec: object) -> Cluster:
-        cfg = self.config
-        return Cluster(
-            role,
-            worker,
-            world_size,
-            spec,
-            cfg.ray.call_timeout_s,
-            plugins=cfg.imports,
-            liveness=Liveness.from_config(cfg.ray),
-            placements=self.placements,
-        )
-
-    @property
-    def total_steps(self) -> int:
-        return self.config.train.steps
-
-    def clusters(self) -> dict[str, Cluster]:
-        return {"actor": self.actor} if self.actor is not None else {}
-
-    def trainers(self) -> dict[str, Cluster]:
-        return {"actor": self.actor}
-
-    def shutdown(self) -> None:
-        if self.actor is not None:
-            self.actor.kill()
-            self.actor = None
-        if self.device_table is not None:
-            self.device_table.remove()
-            self.device_table = None
-        self.run_dir.release()
-
-    def restart_workers(self, lost: dict[str, list[int]]) -> str:
-        start = time.perf_counter()
-        self.actor.kill()
-        self._start_student()
-        return f"starting the student {time.perf_counter() - start:.1f} s"
-
-    def driver_state(self) -> dict[str, object]:
-        return {"data_order": self.order.state_dict()}
-
-    def load_driver_state(self, state: dict) -> None:
-        self.order.load_state_dict(state["data_order"])
 
     # ----- the teacher's outputs -----------------------------------------------------------------------
 
@@ -186,7 +95,7 @@ class DistillPipeline(RunLoop):
                 ModelSpec, cfg.model, path=cfg.teacher.model_path, dtype=cfg.model.inference(), seed=cfg.seed
             )
         )
-        teacher = self._cluster("teacher", ReferenceWorker, cfg.teacher.world_size, spec)
+        teacher = self.cluster("teacher", ReferenceWorker, cfg.teacher.world_size, spec)
         try:
             teacher.setup()
             for split, path in paths.items():
@@ -265,16 +174,7 @@ class DistillPipeline(RunLoop):
         (``eval/teacher_kl``, ``eval/nll``)."""
         assert self.eval_prompts is not None
         cfg = self.config
-        metrics = evaluate(
-            self.eval_prompts,
-            generate=lambda batch, params: self.actor.generate(batch, params),
-            score=self._score,
-            params=self.eval_sampling,
-            batch_size=cfg.eval.batch_size,
-            pad_id=self.tokenizer.pad_token_id,
-            max_prompts=cfg.eval.max_prompts,
-            divisor=cfg.train.world_size,
-        )
+        metrics = self.task_score(self.eval_prompts)
         count = min(len(self.eval_prompts), cfg.eval.max_prompts or len(self.eval_prompts))
         sums = {"teacher_kl_sum": 0.0, "nll_sum": 0.0, "tokens": 0.0}
         for begin in range(0, count, cfg.eval.batch_size):
@@ -288,26 +188,6 @@ class DistillPipeline(RunLoop):
         metrics["eval/teacher_kl"] = sums["teacher_kl_sum"] / max(1.0, sums["tokens"])
         metrics["eval/nll"] = sums["nll_sum"] / max(1.0, sums["tokens"])
         return metrics
-
-    def _score(self, batch: Batch) -> torch.Tensor:
-        return torch.tensor(
-            [
-                score_response(self.config.reward, prompt, response, sample).score
-                for prompt, response, sample in zip(
-                    batch["prompt_text"], batch["response_text"], batch["sample"]
-                )
-            ]
-        )
-
-    def finish(self, tracker: Tracker, results: dict[str, float], metrics: dict[str, float]) -> str:
-        """Save the student (Hugging Face format); returns its path."""
-        if "eval/score" in metrics and "eval/score_before" in results:
-            tracker.print(
-                f"distillation eval/score {results['eval/score_before']:.3f} -> {metrics['eval/score']:.3f}"
-            )
-        path = self.actor.save_pretrained(str(Path(self.config.output_dir) / "model"))
-        tracker.print(f"student saved to {path}")
-        return path
 
 
 def _pad_rows(values: torch.Tensor, width: int) -> torch.Tensor:

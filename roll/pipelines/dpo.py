@@ -10,43 +10,25 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from roll.config.dpo import DPOConfig, loss_weights
+from roll.config.dpo import loss_weights
 from roll.data.batch import Batch
-from roll.data.dataset import PromptIterator
 from roll.data.padding import left_pad, right_pad
 from roll.data.preferences import PreferenceSet
 from roll.distributed.cluster import Cluster
-from roll.distributed.device_mapping import role_devices
-from roll.distributed.liveness import Liveness
-from roll.pipelines.common import (
-    evaluate,
-    init_ray,
-    place_trainer,
-    prepare_model,
-    setup_trainer,
-    write_resolved_config,
-)
-from roll.pipelines.preflight import RunInputs, preflight
-from roll.pipelines.recovery import RestartBudget
+from roll.pipelines.common import setup_trainer
+from roll.pipelines.preflight import RunInputs
 from roll.pipelines.reference_cache import cache_file, load_cached, model_fingerprint, save_cached
-from roll.pipelines.run_dir import RunDirectory
-from roll.pipelines.run_loop import RunLoop
+from roll.pipelines.trainer_pipeline import TrainerPipeline
 from roll.pipelines.worker_specs import from_section, lora_spec
-from roll.rewards import score_response
 from roll.strategies.hf_forward import REJECTED_IDS, REJECTED_MASK
-from roll.strategies.requests import SamplingParams
 from roll.tracking import Tracker
 from roll.utils.signals import set_activity
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec, PreferenceLossSpec
 from roll.workers.base import ModelSpec
 from roll.workers.reference import ReferenceWorker
-
-if TYPE_CHECKING:
-    from roll.distributed.placement import DeviceTable, RankPlacement
 
 # What the workers read of a batch of pairs (the rest stays in the driver).
 PAIR_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", REJECTED_IDS, REJECTED_MASK)
@@ -55,51 +37,34 @@ REFERENCE_FIELDS = ("ref_chosen_logps", "ref_rejected_logps")
 TRL_PREFIXES = ("rewards/", "logps/")
 
 
-class DPOPipeline(RunLoop):
-    """Preference optimisation (``DPOConfig``)."""
+class DPOPipeline(TrainerPipeline):
+    """Preference optimisation (``DPOConfig``): the actor and, with ``reference.source: worker``, a
+    reference worker on its devices."""
 
-    name = "DPO"
+    name = label = "DPO"
+    saved_as = "DPO model"
+    trainer_key = "actor"
 
-    def __init__(
-        self,
-        config: DPOConfig,
-        inputs: RunInputs | None = None,
-        resume: str | None = None,
-        overwrite: bool = False,
-    ):
-        """``inputs``: ``preflight(config)``'s result when the caller ran it; ``resume`` and
-        ``overwrite``: see ``RunDirectory``."""
-        self.config = config
-        inputs = inputs or preflight(config)
-        self.tokenizer = inputs.tokenizer
-        self.train_pairs: PreferenceSet = inputs.train
+    def read_inputs(self, inputs: RunInputs) -> None:
+        self.train_rows: PreferenceSet = inputs.train
         self.eval_pairs: PreferenceSet | None = inputs.eval
         self.eval_prompts = inputs.task_eval
-        self.eval_sampling = SamplingParams(max_new_tokens=config.eval.max_new_tokens, greedy=True)
-        self.budget = RestartBudget(config.checkpoint.max_restarts)
-        self.actor: Cluster | None = None
-        self.reference: Cluster | None = None
         # precomputed: each split's reference values by row, filled before the first step.
         self.cached: dict[str, dict[str, torch.Tensor]] = {}
-        self.order = PromptIterator(self.train_pairs.rows, config.actor.batch_size, seed=config.seed)
-        self.device_table: DeviceTable | None = None
-        self.placements: list[RankPlacement] | None = None
-        self.run_dir = RunDirectory(config.output_dir, resume, overwrite)
-        try:
-            init_ray(config.ray)
-            # The trainer's devices (the reference worker shares them), or CPU ranks.
-            devices = role_devices("actor", config.actor.device_mapping, config.actor.world_size)
-            self.device_table, self.placements = place_trainer(devices, config.ray.call_timeout_s)
-            write_resolved_config(config, config.output_dir)
-            self.model_path = prepare_model(config.model, config.output_dir)
-            self._start_workers()
-        except BaseException:
-            self.shutdown()
-            raise
 
-    # ----- roles ---------------------------------------------------------------------------------------
+    @property
+    def total_steps(self) -> int:
+        return self.config.steps
 
-    def _start_workers(self) -> None:
+    @property
+    def evaluates(self) -> bool:
+        return self.eval_pairs is not None or self.eval_prompts is not None
+
+    @property
+    def reference(self) -> Cluster | None:
+        return self.workers.get("reference")
+
+    def start_workers(self) -> None:
         cfg, actor = self.config, self.config.actor
         model = from_section(ModelSpec, cfg.model, path=self.model_path, seed=cfg.seed)
         spec = from_section(
@@ -112,66 +77,16 @@ class DPOPipeline(RunLoop):
             collective_timeout_s=cfg.ray.call_timeout_s,
         )
         set_activity("starting the DPO workers")
-        self.actor = self._cluster("actor", ActorWorker, actor.world_size, spec)
+        self.workers["actor"] = self.cluster("actor", ActorWorker, self.world_size, spec)
         if cfg.reference.source == "worker":
             from roll.pipelines.policy import ModelHolder
 
-            self.reference = self._cluster("reference", ReferenceWorker, actor.world_size, ModelHolder(model))
-            self.reference.setup(blocking=False)
+            reference = self.cluster("reference", ReferenceWorker, self.world_size, ModelHolder(model))
+            self.workers["reference"] = reference
+            reference.setup(blocking=False)
         setup_trainer(self.actor)
         if self.reference is not None:
             self.reference.setup()
-
-    def _cluster(self, role: str, worker: type, world_size: int, spec: object) -> Cluster:
-        cfg = self.config
-        return Cluster(
-            role,
-            worker,
-            world_size,
-            spec,
-            cfg.ray.call_timeout_s,
-            plugins=cfg.imports,
-            liveness=Liveness.from_config(cfg.ray),
-            placements=self.placements,
-        )
-
-    @property
-    def total_steps(self) -> int:
-        return self.config.steps
-
-    @property
-    def evaluates(self) -> bool:
-        return self.eval_pairs is not None or self.eval_prompts is not None
-
-    def clusters(self) -> dict[str, Cluster]:
-        return {
-            name: c for name, c in (("actor", self.actor), ("reference", self.reference)) if c is not None
-        }
-
-    def trainers(self) -> dict[str, Cluster]:
-        return {"actor": self.actor}
-
-    def shutdown(self) -> None:
-        for cluster in self.clusters().values():
-            cluster.kill()
-        self.actor = self.reference = None
-        if self.device_table is not None:
-            self.device_table.remove()
-            self.device_table = None
-        self.run_dir.release()
-
-    def restart_workers(self, lost: dict[str, list[int]]) -> str:
-        start = time.perf_counter()
-        for cluster in self.clusters().values():
-            cluster.kill()
-        self._start_workers()
-        return f"starting the workers {time.perf_counter() - start:.1f} s"
-
-    def driver_state(self) -> dict[str, object]:
-        return {"data_order": self.order.state_dict()}
-
-    def load_driver_state(self, state: dict) -> None:
-        self.order.load_state_dict(state["data_order"])
 
     # ----- the algorithm -------------------------------------------------------------------------------
 
@@ -180,7 +95,7 @@ class DPOPipeline(RunLoop):
         This runs before any checkpoint loads, so the actor still holds the initial policy."""
         if self.config.reference.source != "precomputed":
             return
-        splits = {"train": self.train_pairs, "eval": self.eval_pairs}
+        splits = {"train": self.train_rows, "eval": self.eval_pairs}
         fingerprint = model_fingerprint(self.model_path)
         for split, pairs in splits.items():
             if pairs is not None:
@@ -209,7 +124,7 @@ class DPOPipeline(RunLoop):
     def step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
         indices = self.order.next_indices()
-        batch = pair_batch(self.train_pairs, indices, self.tokenizer.pad_token_id)
+        batch = pair_batch(self.train_rows, indices, self.tokenizer.pad_token_id)
         batch = batch.union(self.reference_logps(batch, "train", indices))
         metrics = self.actor.preference_step(batch.select_keys((*PAIR_FIELDS, *REFERENCE_FIELDS)))
         out = {k if k.startswith(TRL_PREFIXES) else f"dpo/{k}": v for k, v in metrics.items()}
@@ -264,18 +179,7 @@ class DPOPipeline(RunLoop):
         if self.eval_pairs is not None:
             metrics.update(self._preference_eval())
         if self.eval_prompts is not None:
-            metrics.update(
-                evaluate(
-                    self.eval_prompts,
-                    generate=lambda batch, params: self.actor.generate(batch, params),
-                    score=self._score,
-                    params=self.eval_sampling,
-                    batch_size=self.config.eval.batch_size,
-                    pad_id=self.tokenizer.pad_token_id,
-                    max_prompts=self.config.eval.max_prompts,
-                    divisor=self.config.actor.world_size,
-                )
-            )
+            metrics.update(self.task_score(self.eval_prompts))
         else:
             metrics["eval/score"] = metrics["eval/rewards/accuracies"]
         return metrics
@@ -308,25 +212,6 @@ class DPOPipeline(RunLoop):
             whole["chosen"], whole["rejected"], whole["ref_chosen"], whole["ref_rejected"], ones, ones
         )
         return {f"eval/{k}": v for k, v in preference_metrics(logps, self.config.dpo.beta).items()}
-
-    def _score(self, batch: Batch) -> torch.Tensor:
-        assert self.config.reward is not None
-        return torch.tensor(
-            [
-                score_response(self.config.reward, prompt, response, sample).score
-                for prompt, response, sample in zip(
-                    batch["prompt_text"], batch["response_text"], batch["sample"]
-                )
-            ]
-        )
-
-    def finish(self, tracker: Tracker, results: dict[str, float], metrics: dict[str, float]) -> str:
-        """Save the trained policy (Hugging Face format); returns its path."""
-        if "eval/score" in metrics and "eval/score_before" in results:
-            tracker.print(f"DPO eval/score {results['eval/score_before']:.3f} -> {metrics['eval/score']:.3f}")
-        path = self.actor.save_pretrained(str(Path(self.config.output_dir) / "model"))
-        tracker.print(f"DPO model saved to {path}")
-        return path
 
 
 def pair_batch(pairs: PreferenceSet, indices: list[int], pad_id: int) -> Batch:

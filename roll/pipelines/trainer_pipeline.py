@@ -1,0 +1,195 @@
+"""The shell of the pipelines that train one model on a dataset (SFT, DPO, offline distillation): the run
+directory, Ray, the trainer's devices, the model to start from, its workers and their restart, the data
+order a checkpoint keeps, the greedy held-out score, and the saved model. A pipeline built on it gives
+what its algorithm adds: which rows it reads, the workers it starts, its step and its evaluation.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from roll.data.batch import Batch
+from roll.data.dataset import PromptIterator
+from roll.data.prompts import PromptSet
+from roll.distributed.cluster import Cluster
+from roll.distributed.device_mapping import role_devices
+from roll.distributed.liveness import Liveness
+from roll.pipelines.common import (
+    evaluate,
+    init_ray,
+    place_trainer,
+    prepare_model,
+    write_resolved_config,
+)
+from roll.pipelines.preflight import RunInputs, preflight
+from roll.pipelines.recovery import RestartBudget
+from roll.pipelines.run_dir import RunDirectory
+from roll.pipelines.run_loop import RunLoop
+from roll.rewards import score_response
+from roll.strategies.requests import SamplingParams
+from roll.tracking import Tracker
+
+if TYPE_CHECKING:
+    from roll.distributed.placement import DeviceTable, RankPlacement
+
+
+class TrainerPipeline(RunLoop):
+    """One trained model (the ``actor`` cluster) and the workers that help it, over ``total_steps`` steps
+    of ``batch_size`` rows drawn in a seeded order. ``trainer_key`` names the config section with the
+    trainer's ``world_size``, ``device_mapping``, ``steps`` and ``batch_size``; ``label`` starts the
+    lines the run prints and ``saved_as`` names what it saves."""
+
+    trainer_key: str = "train"
+    label: str = "SFT"
+    saved_as: str = "SFT model"
+
+    def __init__(
+        self,
+        config: Any,
+        inputs: RunInputs | None = None,
+        resume: str | None = None,
+        overwrite: bool = False,
+        placements: list[RankPlacement] | None = None,
+    ):
+        """``inputs``: what ``preflight(config)`` returned, when the caller ran it already; otherwise
+        preflight runs here, before anything is written. ``resume`` and ``overwrite``: see
+        ``RunDirectory``. ``placements``: the ranks' devices when the caller holds them (an RL warm start
+        on the actor's); otherwise the section's ``device_mapping`` is placed here, or the ranks are CPU
+        ranks."""
+        self.config = config
+        inputs = inputs or preflight(config)
+        self.tokenizer = inputs.tokenizer
+        self.read_inputs(inputs)
+        self.eval_sampling = SamplingParams(max_new_tokens=config.eval.max_new_tokens, greedy=True)
+        self.budget = RestartBudget(config.checkpoint.max_restarts)
+        self.workers: dict[str, Cluster] = {}
+        self.placements = placements
+        self.device_table: DeviceTable | None = None
+        self.order = self.fresh_order()
+        self.run_dir = RunDirectory(config.output_dir, resume, overwrite)
+        try:
+            init_ray(config.ray)
+            devices = role_devices(self.trainer_key, self.options.device_mapping, self.options.world_size)
+            self.world_size = len(placements) if placements is not None else devices.world_size
+            if placements is None:
+                self.device_table, self.placements = place_trainer(devices, config.ray.call_timeout_s)
+            write_resolved_config(config, config.output_dir)
+            self.model_path = prepare_model(config.model, config.output_dir)
+            self.start_workers()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ----- what a pipeline gives -----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def read_inputs(self, inputs: RunInputs) -> None:
+        """Keep what the run reads of ``inputs``: at least ``train_rows`` (``.rows`` in draw order) and
+        ``eval_prompts``."""
+
+    @abc.abstractmethod
+    def start_workers(self) -> None:
+        """Start the run's workers into ``workers`` (the trained one as ``actor``), each as soon as it
+        exists: a start that fails part-way leaves nothing running after ``shutdown``."""
+
+    # ----- the shell -----------------------------------------------------------------------------------
+
+    @property
+    def options(self) -> Any:
+        """The config section of the trainer (``train`` or ``actor``)."""
+        return getattr(self.config, self.trainer_key)
+
+    @property
+    def total_steps(self) -> int:
+        return self.options.steps
+
+    @property
+    def actor(self) -> Cluster:
+        return self.workers["actor"]
+
+    def fresh_order(self) -> PromptIterator:
+        return PromptIterator(self.train_rows.rows, self.options.batch_size, seed=self.config.seed)
+
+    def cluster(self, role: str, worker: type, world_size: int, spec: object) -> Cluster:
+        """A cluster of ``role`` on the trainer's devices, with the run's timeouts, liveness and plugins."""
+        cfg = self.config
+        return Cluster(
+            role,
+            worker,
+            world_size,
+            spec,
+            cfg.ray.call_timeout_s,
+            plugins=cfg.imports,
+            liveness=Liveness.from_config(cfg.ray),
+            placements=self.placements,
+        )
+
+    def clusters(self) -> dict[str, Cluster]:
+        return dict(self.workers)
+
+    def trainers(self) -> dict[str, Cluster]:
+        return {"actor": self.actor}
+
+    def shutdown(self) -> None:
+        for cluster in self.workers.values():
+            cluster.kill()
+        self.workers.clear()
+        if self.device_table is not None:  # a table the caller holds stays theirs
+            self.device_table.remove()
+            self.device_table = None
+        self.run_dir.release()
+
+    def restart_workers(self, lost: dict[str, list[int]]) -> str:
+        start = time.perf_counter()
+        for cluster in self.workers.values():
+            cluster.kill()
+        self.workers.clear()
+        # A checkpoint, when there is one, then restores the order; without one the run starts over.
+        self.order = self.fresh_order()
+        self.start_workers()
+        return f"starting the workers {time.perf_counter() - start:.1f} s"
+
+    def driver_state(self) -> dict[str, object]:
+        return {"data_order": self.order.state_dict()}
+
+    def load_driver_state(self, state: dict) -> None:
+        self.order.load_state_dict(state["data_order"])
+
+    def task_score(self, prompts: PromptSet) -> dict[str, float]:
+        """``eval/score``: the trained model's greedy answers to ``prompts`` scored by ``reward``."""
+        cfg = self.config
+        return evaluate(
+            prompts,
+            generate=lambda batch, params: self.actor.generate(batch, params),
+            score=self.score,
+            params=self.eval_sampling,
+            batch_size=cfg.eval.batch_size,
+            pad_id=self.tokenizer.pad_token_id,
+            max_prompts=cfg.eval.max_prompts,
+            divisor=self.world_size,
+        )
+
+    def score(self, batch: Batch) -> torch.Tensor:
+        return torch.tensor(
+            [
+                score_response(self.config.reward, prompt, response, sample).score
+                for prompt, response, sample in zip(
+                    batch["prompt_text"], batch["response_text"], batch["sample"]
+                )
+            ]
+        )
+
+    def finish(self, tracker: Tracker, results: dict[str, float], metrics: dict[str, float]) -> str:
+        """Save the trained model (Hugging Face format); returns its path."""
+        if "eval/score" in metrics and "eval/score_before" in results:
+            tracker.print(
+                f"{self.label} eval/score {results['eval/score_before']:.3f} -> {metrics['eval/score']:.3f}"
+            )
+        path = self.actor.save_pretrained(str(Path(self.config.output_dir) / "model"))
+        tracker.print(f"{self.saved_as} saved to {path}")
+        return path
