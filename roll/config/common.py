@@ -11,6 +11,33 @@ from roll.data.columns import DEFAULT_COLUMNS
 
 
 @dataclass
+class OptimizerConfig:
+    """The optimizer options of every trained model's section (SFT's and distillation's ``train``, DPO's and
+    RL's ``actor``, RL's ``critic``): AdamW, its learning-rate schedule, gradient clipping, what a
+    non-finite gradient does, and activation memory. A section sets its own ``lr`` default."""
+
+    lr: float = option(1e-5, gt=0, help="Peak learning rate (AdamW).")
+    weight_decay: float = option(0.0, ge=0, help="AdamW weight decay.")
+    warmup_steps: int = option(0, ge=0, help="Linear warmup steps.")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = option(
+        "constant", help="Learning-rate schedule after warmup; linear/cosine decay to 0 at the last step."
+    )
+    max_grad_norm: float = option(1.0, ge=0, help="Gradient-norm clip (0 disables).")
+    nonfinite_grads: Literal["skip", "stop"] = option(
+        "skip",
+        help="An update whose gradient norm is NaN or infinite: skip it (weights, optimizer and LR schedule "
+        "untouched; counted in skipped_frac under the trainer's prefix: sft/, dpo/, distill/, actor/, "
+        "critic/) or stop the run with an error naming the step.",
+    )
+    gradient_checkpointing: bool = option(
+        False,
+        help="Recompute each transformer block's activations in the backward pass instead of keeping them "
+        "(transformers' gradient checkpointing, non-reentrant, applied before FSDP2): activation memory "
+        "of one block instead of all, for about one more forward per step.",
+    )
+
+
+@dataclass
 class TinyModelConfig:
     """A small Qwen2-style model with a character tokenizer, built locally for tests and demos."""
 

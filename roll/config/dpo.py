@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from roll.config.common import CheckpointConfig, ModelConfig, RayConfig, TrackingConfig
+from roll.config.common import CheckpointConfig, ModelConfig, OptimizerConfig, RayConfig, TrackingConfig
 from roll.config.fields import option
 from roll.config.rlvr import LoRAConfig
 
@@ -44,7 +44,7 @@ class PreferenceDataConfig:
 
 
 @dataclass
-class DPOActorConfig:
+class DPOActorConfig(OptimizerConfig):
     """The trained policy: optimisation over batches of preference pairs."""
 
     world_size: int | None = option(
@@ -62,22 +62,8 @@ class DPOActorConfig:
         32, gt=0, help="Pairs per forward/backward on one rank; each pair is two sequences in one pass."
     )
     lr: float = option(1e-6, gt=0, help="Peak learning rate (AdamW); DPO on real models uses 1e-7 to 1e-6.")
-    weight_decay: float = option(0.0, ge=0, help="AdamW weight decay.")
-    warmup_steps: int = option(0, ge=0, help="Linear warmup steps.")
     lr_scheduler: Literal["constant", "linear", "cosine"] = option(
         "linear", help="Learning-rate schedule after warmup; linear/cosine decay to 0 at the last step."
-    )
-    max_grad_norm: float = option(1.0, ge=0, help="Gradient-norm clip (0 disables).")
-    gradient_checkpointing: bool = option(
-        False,
-        help="Recompute each transformer block's activations in the backward pass instead of keeping them "
-        "(transformers' gradient checkpointing, non-reentrant, applied before FSDP2): activation memory "
-        "of one block instead of all, for about one more forward per step.",
-    )
-    nonfinite_grads: Literal["skip", "stop"] = option(
-        "skip",
-        help="An update whose gradient norm is NaN or infinite: skip it (counted in dpo/skipped_frac) or "
-        "stop with an error naming the step.",
     )
     lora: LoRAConfig | None = option(
         None,

@@ -10,6 +10,7 @@ from roll.config.common import (
     DataConfig,
     EvalConfig,
     ModelConfig,
+    OptimizerConfig,
     RayConfig,
     TrackingConfig,
 )
@@ -149,7 +150,7 @@ class LoRAConfig:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(OptimizerConfig):
     """What the sections of every trained model (actor, critic) share: ranks, optimizer, batches."""
 
     world_size: int | None = option(
@@ -163,17 +164,6 @@ class TrainerConfig:
         "shares them. Unset: CPU ranks (world_size of them).",
     )
     lr: float = option(1e-5, gt=0, help="Peak learning rate (AdamW); RL wants 10-100x less than SFT.")
-    weight_decay: float = option(0.0, ge=0, help="AdamW weight decay.")
-    warmup_steps: int = option(0, ge=0, help="Linear warmup steps.")
-    lr_scheduler: Literal["constant", "linear", "cosine"] = option(
-        "constant", help="Learning-rate schedule after warmup; linear/cosine decay to 0 at the last step."
-    )
-    max_grad_norm: float = option(1.0, ge=0, help="Gradient-norm clip (0 disables).")
-    nonfinite_grads: Literal["skip", "stop"] = option(
-        "skip",
-        help="An update whose gradient norm is NaN or infinite: skip it (weights, optimizer and LR schedule "
-        "untouched; counted in <role>/skipped_frac) or stop the run with an error naming the step.",
-    )
     ppo_epochs: int = option(1, gt=0, help="Passes over each rollout batch.")
     mini_batch_size: int | None = option(
         None,
@@ -188,12 +178,6 @@ class TrainerConfig:
         ge=1,
         help="Dynamic micro-batches: pack samples up to this many real (prompt + response) tokens per "
         "forward/backward instead of micro_batch_size samples (unset: fixed micro_batch_size).",
-    )
-    gradient_checkpointing: bool = option(
-        False,
-        help="Recompute each transformer block's activations in the backward pass instead of keeping them "
-        "(transformers' gradient checkpointing, non-reentrant, applied before FSDP2): activation memory "
-        "of one block instead of all, for about one more forward per step.",
     )
 
 

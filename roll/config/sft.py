@@ -10,6 +10,7 @@ from roll.config.common import (
     DataConfig,
     EvalConfig,
     ModelConfig,
+    OptimizerConfig,
     RayConfig,
     TrackingConfig,
 )
@@ -17,7 +18,7 @@ from roll.config.fields import option
 
 
 @dataclass
-class SFTTrainConfig:
+class SFTTrainConfig(OptimizerConfig):
     """Optimisation of the SFT loss (token-mean cross-entropy on response tokens only)."""
 
     steps: int = option(300, gt=0, help="Optimizer steps.")
@@ -26,23 +27,6 @@ class SFTTrainConfig:
         64, gt=0, help="Rows per forward/backward on one rank (gradient accumulation)."
     )
     lr: float = option(1e-3, gt=0, help="Peak learning rate (AdamW).")
-    weight_decay: float = option(0.0, ge=0, help="AdamW weight decay.")
-    warmup_steps: int = option(0, ge=0, help="Linear warmup steps.")
-    lr_scheduler: Literal["constant", "linear", "cosine"] = option(
-        "constant", help="Learning-rate schedule after warmup; linear/cosine decay to 0 at the last step."
-    )
-    max_grad_norm: float = option(1.0, ge=0, help="Gradient-norm clip (0 disables).")
-    gradient_checkpointing: bool = option(
-        False,
-        help="Recompute each transformer block's activations in the backward pass instead of keeping them "
-        "(transformers' gradient checkpointing, non-reentrant, applied before FSDP2): activation memory "
-        "of one block instead of all, for about one more forward per step.",
-    )
-    nonfinite_grads: Literal["skip", "stop"] = option(
-        "skip",
-        help="An update whose gradient norm is NaN or infinite: skip it (counted in sft/skipped_frac) or "
-        "stop with an error naming the step.",
-    )
     world_size: int | None = option(
         None,
         gt=0,
