@@ -282,7 +282,11 @@ class BatchEpisodes:
                 episodes[eid] = Episode(None, seed, self.chat, spec.budget)
                 worker_of[eid] = g % workers
                 group_index.append(g)
-        for result in self.envs.reset([(eid, e.seed) for eid, e in episodes.items()]):
+        self.envs.send_resets([(eid, e.seed) for eid, e in episodes.items()])
+        started = []
+        while len(started) < len(episodes):
+            started += self.envs.poll(self.poll_s)
+        for result in started:
             if result.status != OK:
                 raise RuntimeError(f"reset of {result.episode_id} failed: {result.error}")
             episodes[result.episode_id].start(result.observation)

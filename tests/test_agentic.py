@@ -1,11 +1,13 @@
 """`pipeline: agentic`: its config checks, the expert's episodes in the layout RL samples, and runs on Ray
-(a short run that resumes; an environment worker killed mid-run, replaced without losing a step)."""
+(a short run that resumes; environment workers killed or frozen mid-run, replaced without losing a
+step)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -150,6 +152,14 @@ def test_the_experts_episodes_are_in_the_layout_rl_samples() -> None:
         assert len(trained) < len(row["response_ids"])
 
 
+def process_state(pid: int) -> str:
+    """The process's state letter (R, S, T: stopped, Z: dead, not reaped yet), or "gone"."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return "gone"
+
+
 def metrics(out: Path) -> list[dict]:
     """The training steps' rows (step 0 is the evaluation before training)."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -264,14 +274,16 @@ def test_a_killed_environment_worker_is_replaced_without_losing_a_step(
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_session", "at_repo_root")
-def test_asynchronous_step_wise_episodes_recover_killed_workers_without_losing_a_step(
+def test_asynchronous_step_wise_episodes_recover_frozen_and_killed_workers_without_losing_a_step(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Step-wise GiGPO with episodes playing on while the actor trains (rollout.async_generation_ratio=1)
-    and two mini-batches per step. An environment worker is killed before step 2 and a rollout worker
-    before step 3, while the background thread plays ahead: each is replaced, no step is lost, samples
-    stay within the staleness bound, the off-policy correction is on, and the LR schedule (linear over
-    3 steps x 2 mini-batches) runs on as if nothing happened, whatever the turns per step."""
+    and two mini-batches per step. The environment worker is frozen (SIGSTOP) before step 2 and a
+    rollout worker killed before step 3, while the background thread plays ahead: the frozen one is
+    found at the liveness bound and killed without being waited for, each is replaced, no step is lost,
+    samples stay within the staleness bound, the off-policy correction is on, and the LR schedule
+    (linear over 3 steps x 2 mini-batches) runs on as if nothing happened, whatever the turns per step.
+    A killed environment worker is test_a_killed_environment_worker_is_replaced_without_losing_a_step."""
     import logging
 
     from roll.pipelines.agentic import AgenticPipeline
@@ -281,25 +293,42 @@ def test_asynchronous_step_wise_episodes_recover_killed_workers_without_losing_a
     overrides += ["rollout.async_generation_ratio=1", "env.sample_layout=step_wise"]
     overrides += ["algorithm.advantage_estimator=gigpo", "algorithm.gamma=0.95"]
     overrides += ["actor.mini_batch_size=2", "actor.lr_scheduler=linear"]
+    # A frozen worker is found only by the liveness bound; the default 30 s would only make this slower.
+    # 10 s is still far above how long a busy worker of this run leaves a heartbeat waiting (heartbeats
+    # are answered beside the work), and the calls' own timeout stays far above anything they wait for.
+    overrides += ["ray.liveness_timeout_s=10", "ray.call_timeout_s=900"]
     pipeline = AgenticPipeline(load_config(EXAMPLE, overrides))
     lost = {2: pipeline.role_set.live["environment"], 3: pipeline.role_set.live["rollout"]}
+    frozen = lost[2].ping()[0]["pid"]
     step = pipeline.step
 
-    def kill_before(number: int) -> dict[str, float]:
-        if number in lost:  # the background thread is playing this step's episodes ahead by now
+    def lose_before(number: int) -> dict[str, float]:
+        # The background thread is playing this step's episodes ahead by now.
+        if number == 2:
+            os.kill(frozen, signal.SIGSTOP)
+        elif number == 3:
             os.kill(lost[number].ping()[0]["pid"], signal.SIGKILL)
         return step(number)
 
-    pipeline.step = kill_before
+    pipeline.step = lose_before
     try:
         with caplog.at_level(logging.WARNING):
             pipeline._train()
         assert pipeline.role_set.live["environment"] is not lost[2]
         assert pipeline.role_set.live["rollout"] is not lost[3]
         assert pipeline.budget.restarts == 2
+        assert "lost environment rank 0" in caplog.text
         assert "replaced the environment workers" in caplog.text
         assert "replaced the rollout workers" in caplog.text
+        # Ended by Ray, never woken to be asked: gone (or dead, waiting to be reaped) while still stopped.
+        deadline = time.monotonic() + 300  # only a failure waits this long
+        while process_state(frozen) not in ("gone", "Z"):
+            assert time.monotonic() < deadline, "the frozen environment worker was never ended"
+            time.sleep(0.5)
     finally:
+        if process_state(frozen) not in ("gone", "Z"):  # the test failed: leave nothing stopped behind
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                os.kill(frozen, sig)
         pipeline.shutdown()
     rows = metrics(out)
     assert [row["step"] for row in rows] == [1, 2, 3]

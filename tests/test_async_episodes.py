@@ -5,11 +5,12 @@ involved, tests wait for a condition (with a generous deadline), never for an am
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 from fake_rollout import FakeBackend
-from test_episode_scheduler import EOS, TOKENIZER, expert
+from test_episode_scheduler import EOS, TOKENIZER, FrozenRankEnvs, expert
 
 from roll.data.chat_turns import ChatTurns
 from roll.distributed.cluster import WorkerError
@@ -105,7 +106,8 @@ def test_a_turn_may_start_on_newer_weights_than_the_turn_before_it() -> None:
     sched, _ = scheduler(backend, ratio=1, groups=1)
     with sched._lock:  # noqa: SLF001 - drive the pump by hand: deterministic
         sched._waiting = True  # noqa: SLF001
-    sched._pump()  # noqa: SLF001 - turn 1 of every episode is sampled by version 0
+    while not backend.submits:  # the envs' resets come back, then turn 1 of every episode is sent
+        sched._pump()  # noqa: SLF001 - turn 1 is sampled by version 0
     backend.version = 1
     sched.set_weights_version(1)
     while not sched.batch_ready:
@@ -161,6 +163,39 @@ def test_a_lost_worker_in_the_background_thread_surfaces_as_its_own_error() -> N
     with pytest.raises(WorkerError, match="rollout rank 1 failed in collect_finished"):
         sched.next_batch(1)
     sched.close()
+
+
+def answers(call, what: str, deadline_s: float = 60.0):
+    """``call()``'s result, failing if it has not returned by the deadline (which only turns a call
+    that waits for a frozen worker into a failure instead of a hang)."""
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(out=call()), daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    assert not thread.is_alive(), f"{what} waited for the frozen env worker"
+    return box.get("out")
+
+
+def test_while_an_env_reset_goes_unanswered_the_pipelines_calls_answer_at_once() -> None:
+    """The background thread plays the next step's groups; group 1's env worker froze before their
+    resets (and is never found out here). Everything the pipeline calls meanwhile answers at once, and
+    a held-out episode plays to its end beside the unanswered reset."""
+    backend = FakeBackend(expert())
+    sched, pool = scheduler(backend, ratio=1, groups=2)
+    sched.envs = envs = FrozenRankEnvs(pool, backend, lambda eid: eid.startswith("g1"))
+    sched._thread = threading.Thread(target=sched._pump_forever, daemon=True)  # noqa: SLF001 - as next_batch
+    sched._thread.start()  # noqa: SLF001
+    try:
+        wait_for(lambda: envs.unanswered and sched._complete, "played group 0")  # noqa: SLF001
+        assert answers(sched.state_dict, "state_dict")["pending"][:2] == [10, 11]  # both groups' seeds
+        answers(lambda: sched.set_weights_version(1), "set_weights_version")
+        assert answers(lambda: sched.batch_ready, "batch_ready") is False
+        greedy = SamplingParams(max_new_tokens=4, greedy=True, stop_token_ids=(EOS,))
+        (episode,) = answers(lambda: sched.play([3], greedy), "play")
+        assert episode.seed == 3 and episode.success
+    finally:
+        answers(sched.close, "close")
+    assert ("close", ["g1e0", "g1e1"]) in [(method, ids) for _, method, ids in envs.unanswered]
 
 
 def test_held_out_play_goes_on_beside_training_episodes() -> None:

@@ -410,6 +410,40 @@ def test_kill_ends_the_actors(make_cluster):
     cluster.kill()  # killing twice (here and in the fixture) is harmless
 
 
+def test_a_rank_found_silent_is_killed_without_being_asked_to_shut_down(make_cluster, monkeypatch):
+    """A rank that leaves ``lost_ranks``' heartbeat unanswered (here stopped with SIGSTOP) is frozen:
+    ``kill`` asks only the others to shut down (the frozen one would make it wait for its answer), and
+    ends every actor."""
+    import signal
+
+    from roll.distributed import cluster as cluster_module
+
+    cluster = make_cluster("stoppable", EchoWorker)
+    pids = {info["rank"]: info["pid"] for info in cluster.ping()}
+    asked = []
+    wait = cluster_module.wait_for_ranks
+
+    def recording(refs, role, method, timeout_s, ranks=None, watch=None):
+        if method == "shutdown":
+            asked.extend(ranks)
+        return wait(refs, role, method, timeout_s, ranks, watch)
+
+    monkeypatch.setattr(cluster_module, "wait_for_ranks", recording)
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        # Rank 0 answers too, unless the machine is too busy to answer within 5 s: then it is not asked.
+        assert 1 in cluster.lost_ranks() and cluster.health[1].frozen
+        cluster.kill()
+        assert 1 not in asked and asked == [r for r in (0, 1) if not cluster.health[r].frozen]
+        with pytest.raises(WorkerError, match="stoppable rank"):
+            cluster.ping()
+    finally:
+        try:
+            os.kill(pids[1], signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # Ray ended it
+
+
 def test_repr_and_help_describe_the_registered_methods(make_cluster):
     cluster = make_cluster("echo", EchoWorker, world_size=1)
     text = repr(cluster)

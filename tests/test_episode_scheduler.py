@@ -1,8 +1,8 @@
 """The episode scheduler on a fake backend with a virtual clock (no Ray, no model): the batch trains on the
 sampled ids only, episodes never wait for each other, redundant episodes complete a group while a slow
-one still runs, failing and hanging envs cost their group and are counted, the stop policy applies, and
-the seed cursor resumes. Hangs are endless (an event set when the test ends), so no outcome depends on
-timing."""
+one still runs, failing and hanging envs cost their group and are counted, an env worker that freezes
+holds up only its own episodes, the stop policy applies, and the seed cursor resumes. Hangs are endless
+(an event set when the test ends), so no outcome depends on timing."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from fake_rollout import FakeBackend
 from test_env_pool import ROOMY_S, HangAwarePool, hang
 
 from roll.data.chat_turns import ChatTurns
+from roll.distributed.errors import WorkerUnresponsiveError
 from roll.envs import ENVIRONMENTS
 from roll.envs.frozen_lake import FrozenLake, shortest_path
 from roll.envs.pool import EnvPool
@@ -26,6 +27,8 @@ from roll.strategies.requests import SamplingParams
 TOKENIZER = build_char_tokenizer("LDRUPGH_\n.,:IAnvalidctoswerhf ")
 EOS = TOKENIZER.eos_token_id
 RELEASE = threading.Event()
+# The liveness bound of the fake frozen env worker, in virtual seconds: far above an episode's length.
+LIVENESS_S = 30.0
 
 
 class FaultyLake(FrozenLake):
@@ -78,11 +81,14 @@ def expert(slow: dict[str, float] | None = None, bad_turns: bool = False):
 
 class SlowEnvs(LocalEnvs):
     """In-process envs whose step results arrive ``latency(episode_id)`` virtual seconds after they are
-    sent, on the fake backend's clock."""
+    sent, on the fake backend's clock (resets at once)."""
 
     def __init__(self, pool, backend, latency):
         super().__init__(pool)
         self.backend, self.latency, self.due = backend, latency, []
+
+    def send_resets(self, requests):
+        self.due += [(self.backend.now, result) for result in self.pool.reset(requests)]
 
     def send(self, actions):
         for result in self.pool.step(actions):
@@ -99,6 +105,49 @@ class SlowEnvs(LocalEnvs):
     @property
     def pending(self):
         return len(self.due)
+
+
+class FrozenRankEnvs(LocalEnvs):
+    """In-process envs on two "workers": the episodes ``on_frozen(episode_id)`` names live on rank 1,
+    which freezes at virtual time ``frozen_from`` (the fake backend's clock): the resets, steps and
+    closes sent to it from then on are taken and never run nor answered. With ``liveness_s``, a poll
+    raises ``WorkerUnresponsiveError`` naming rank 1 once one of its calls has waited that long, as the
+    liveness watch of a Ray call would."""
+
+    def __init__(self, pool, backend, on_frozen, frozen_from=0.0, liveness_s=None):
+        super().__init__(pool)
+        self.backend, self.on_frozen = backend, on_frozen
+        self.frozen_from, self.liveness_s = frozen_from, liveness_s
+        self.unanswered: list[tuple[float, str, list[str]]] = []  # (sent at, method, episode ids)
+
+    def _answered(self, method, items):
+        """The items the live rank runs; rank 1's, once frozen, are recorded and never answered."""
+        frozen = [item for item in items if self.on_frozen(item[0]) and self.backend.now >= self.frozen_from]
+        if frozen:
+            self.unanswered.append((self.backend.now, method, [item[0] for item in frozen]))
+        return [item for item in items if item not in frozen]
+
+    def send_resets(self, requests):
+        super().send_resets(self._answered("reset", requests))
+
+    def send(self, actions):
+        super().send(self._answered("step", actions))
+
+    def close(self, episode_ids):
+        super().close([eid for eid, _ in self._answered("close", [(eid, None) for eid in episode_ids])])
+
+    def poll(self, timeout_s):
+        for sent, method, _ in self.unanswered:
+            if self.liveness_s is not None and self.backend.now - sent >= self.liveness_s:
+                raise WorkerUnresponsiveError("environment", 1, method, "the worker stopped answering")
+        done = super().poll(timeout_s)
+        if not done:
+            self.backend.now += timeout_s  # waited for the frozen rank's answers, in vain
+        return done
+
+    @property
+    def pending(self):
+        return super().pending + sum(len(ids) for _, method, ids in self.unanswered if method != "close")
 
 
 def scheduler(
@@ -204,6 +253,39 @@ def test_a_step_stops_with_the_envs_error_when_every_group_fails() -> None:
     sched, _, _ = scheduler(expert(), groups=1, group_size=2, env="faulty_lake")
     with pytest.raises(RuntimeError, match="dropped in one step.*cracked"):
         sched.next_batch(1)
+
+
+def test_a_frozen_env_worker_holds_up_only_its_episodes_and_fails_the_step_at_the_liveness_bound() -> None:
+    """Group 1's episodes live on an environment worker that froze before their resets: group 0 plays
+    to the end meanwhile, and the step fails with the worker's own error once its reset went unanswered
+    for the liveness bound (the pipeline replaces the worker as it does a dead one). Closing the
+    scheduler then sends the frozen episodes' closes and waits for none."""
+    sched, backend, pool = scheduler(expert(), groups=2, group_size=2)
+    sched.envs = envs = FrozenRankEnvs(pool, backend, lambda eid: eid.startswith("g1"), liveness_s=LIVENESS_S)
+    with pytest.raises(WorkerUnresponsiveError, match="environment rank 1 failed in reset"):
+        sched.next_batch(1)
+    assert backend.now >= LIVENESS_S
+    assert [group.group_id for group in sched._complete] == [0]  # noqa: SLF001 - played on meanwhile
+    assert not any(request_id.startswith("g1") for _, _, ids in backend.submits for request_id in ids)
+    sched.close()
+    assert [(method, ids) for _, method, ids in envs.unanswered] == [
+        ("reset", ["g1e0", "g1e1"]),
+        ("close", ["g1e0", "g1e1"]),
+    ]
+    assert pool.live == 0  # group 0's envs were closed; group 1's never started
+
+
+def test_a_close_that_never_answers_holds_up_nobody() -> None:
+    """A redundant episode's env worker freezes after its reset, while its turn generates: its group
+    completes from the other two, and its close, sent to the frozen worker, is never waited for."""
+    sched, backend, pool = scheduler(expert(slow={"g0e2": 100.0}), groups=1, group_size=2, redundancy=1)
+    sched.envs = envs = FrozenRankEnvs(
+        pool, backend, lambda eid: eid == "g0e2", frozen_from=0.5, liveness_s=LIVENESS_S
+    )
+    batch, metrics = sched.next_batch(1)
+    assert len(batch) == 2 and metrics["rollout/aborted_episodes"] == 1
+    assert backend.now < LIVENESS_S
+    assert [(method, ids) for _, method, ids in envs.unanswered] == [("close", ["g0e2"])]
 
 
 def test_the_stop_policy_masks_or_zeroes_episodes_by_their_stop_reason() -> None:

@@ -235,10 +235,13 @@ class Cluster:
 
     def lost_ranks(self, timeout_s: float = 5.0) -> list[int]:
         """Ranks whose process is gone or does not answer a heartbeat within ``timeout_s``. Heartbeats
-        are answered beside running work, so a busy rank is not lost."""
+        are answered beside running work, so a busy rank is not lost; a silent one is marked frozen, so
+        that ``kill`` ends it without asking it first."""
         refs = {worker.heartbeat.remote(): rank for rank, worker in enumerate(self.workers)}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
         lost = {rank for ref, rank in refs.items() if ref not in ready}
+        for rank in lost:
+            self.health[rank].frozen = True
         for ref in ready:
             try:
                 ray.get(ref)

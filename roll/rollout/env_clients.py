@@ -1,6 +1,8 @@
 """How the episode scheduler reaches many episodes' environments: in this process (``LocalEnvs``) or on
-environment workers (``RayEnvs``). Resets wait; steps are sent and their results polled, so a slow env
-holds up only the episodes stepped in the same call."""
+environment workers (``RayEnvs``). Nothing waits: resets and steps are sent and their results polled,
+closes are sent and forgotten, so a slow env holds up only the episodes in its own call, and an
+environment worker that stops answering holds up nobody (its calls fail at the liveness bound, in
+``poll``)."""
 
 from __future__ import annotations
 
@@ -13,32 +15,37 @@ __all__ = ["EnvClient", "LocalEnvs", "RayEnvs"]
 
 
 class EnvClient(Protocol):
-    """Many episodes' environments (``roll.envs.pool.EnvPool`` semantics). Resets wait; steps are sent
-    and their results polled, so a slow env holds up only the episodes stepped in the same call."""
+    """Many episodes' environments (``roll.envs.pool.EnvPool`` semantics). Nothing waits: resets and
+    steps are sent and their results polled (one result per episode, a reset's or a step's: an episode
+    has one call out at a time), closes are sent only."""
 
-    def reset(self, requests: list[tuple[str, int]]) -> list[EnvResult]: ...
+    def send_resets(self, requests: list[tuple[str, int]]) -> None:
+        """Start an episode per ``(episode_id, seed)``; the results come back through ``poll``."""
 
-    def send(self, actions: list[tuple[str, str]]) -> None: ...
+    def send(self, actions: list[tuple[str, str]]) -> None:
+        """Step an episode per ``(episode_id, action_text)``; the results come back through ``poll``."""
 
     def poll(self, timeout_s: float) -> list[EnvResult]:
-        """Results of sent steps that have come back, waiting up to ``timeout_s`` for the first."""
+        """Results of sent resets and steps that have come back, waiting up to ``timeout_s`` for the first."""
 
     @property
     def pending(self) -> int:
-        """Steps sent whose results have not been polled."""
+        """Resets and steps sent whose results have not been polled."""
 
-    def close(self, episode_ids: list[str]) -> None: ...
+    def close(self, episode_ids: list[str]) -> None:
+        """Forget the episodes and close their envs, without waiting. An episode with a reset or step out
+        must not be closed before its result is polled: the close could overtake that call."""
 
 
 class LocalEnvs:
-    """The environments in this process (tests; an env cheaper than a Ray call): a step runs when sent."""
+    """The environments in this process (tests; an env cheaper than a Ray call): a call runs when sent."""
 
     def __init__(self, pool: EnvPool):
         self.pool = pool
         self._done: list[EnvResult] = []
 
-    def reset(self, requests: list[tuple[str, int]]) -> list[EnvResult]:
-        return self.pool.reset(requests)
+    def send_resets(self, requests: list[tuple[str, int]]) -> None:
+        self._done += self.pool.reset(requests)
 
     def send(self, actions: list[tuple[str, str]]) -> None:
         self._done += self.pool.step(actions)
@@ -58,21 +65,26 @@ class LocalEnvs:
 class RayEnvs:
     """Environment workers (``roll.workers.environment.EnvWorker``): each episode lives on one rank,
     chosen at its reset (the rank with the fewest live episodes); one call per rank carries all of its
-    episodes' steps, the ranks' calls run at once, and steps sent later go in calls of their own. A lost
-    worker raises ``WorkerError`` naming its rank."""
+    episodes' resets or steps, the ranks' calls run at once, and those sent later go in calls of their
+    own. A lost or frozen worker raises ``WorkerError`` naming its rank from ``poll`` (the liveness
+    bound tells a frozen one); no method waits on a worker."""
 
     def __init__(self, cluster: Any):
         self.cluster = cluster
         self.rank_of: dict[str, int] = {}
         self.live = [0] * cluster.world_size
-        self._calls: dict[Any, int] = {}  # step call in flight -> how many steps it carries
+        self._calls: dict[Any, int] = {}  # reset or step call in flight -> how many results it carries
+        # Close calls in flight: their results are nothing, but polling them tells of a worker lost (or
+        # frozen) while only closes were out, and they are never waited for.
+        self._closes: list[Any] = []
 
-    def reset(self, requests: list[tuple[str, int]]) -> list[EnvResult]:
+    def send_resets(self, requests: list[tuple[str, int]]) -> None:
         for episode_id, _ in requests:
             rank = min(range(len(self.live)), key=self.live.__getitem__)
             self.rank_of[episode_id] = rank
             self.live[rank] += 1
-        return [result for future, _ in self._call("reset", requests) for result in future.get()]
+        for future, size in self._call("reset", requests):
+            self._calls[future] = size
 
     def send(self, actions: list[tuple[str, str]]) -> None:
         for future, size in self._call("step", actions):
@@ -82,9 +94,13 @@ class RayEnvs:
         from roll.distributed.cluster import wait_any
 
         results = []
-        for future in wait_any(list(self._calls), timeout_s):
-            del self._calls[future]
-            results += future.get()
+        for future in wait_any([*self._calls, *self._closes], timeout_s):
+            if future in self._calls:
+                del self._calls[future]
+                results += future.get()
+            else:
+                self._closes.remove(future)
+                future.get()  # raises for a lost worker
         return results
 
     @property
@@ -98,9 +114,9 @@ class RayEnvs:
             if rank is not None:
                 self.live[rank] -= 1
                 by_rank[rank].append(episode_id)
-        futures = [self.cluster.call_rank(r, "close", ids, blocking=False) for r, ids in by_rank.items()]
-        for future in futures:
-            future.get()
+        self._closes += [
+            self.cluster.call_rank(r, "close", ids, blocking=False) for r, ids in by_rank.items()
+        ]
 
     def _call(self, method: str, items: list[tuple[str, Any]]) -> list[tuple[Any, int]]:
         """One non-blocking call per rank with its episodes' items: (future, how many items)."""

@@ -17,6 +17,11 @@ agentic pipeline full training batches: one sample per episode, or step-wise one
   the run, up to a bound: once more than ``EpisodeSpec.max_dropped_groups`` groups are dropped in one
   step (``4 x groups_per_step + 8``, ``groups_per_step`` being ``rollout.rollout_batch_size``), the step
   raises, naming the env's last error, and the run stops.
+- **Lost workers.** Nothing under the scheduler's lock waits for a worker: env resets and steps, like
+  turns, are sent there and their results polled outside it, and closes are only sent. A worker that
+  dies or freezes fails the poll waiting on it (a frozen one at ``ray.liveness_timeout_s``) with its
+  own ``WorkerError``, which ``next_batch`` raises for the pipeline to replace the worker; meanwhile
+  the pipeline's other calls (``state_dict``, ``close``) answer at once.
 - **Stop reasons.** ``stop_policy`` says per reason whether an episode is trained on as is (``train``),
   kept in its group's baseline with no token trained (``mask``), or trained with return 0 (``zero``).
 - **Synchronous** (``async_generation_ratio`` 0): episodes are played only inside ``next_batch``;
@@ -143,7 +148,12 @@ class EpisodeScheduler:
         self._to_start: list[_Group] = []  # evaluation groups waiting for the next pump
         self._complete: list[_Group] = []  # complete training groups not yet in a batch
         self._group_of: dict[str, _Group] = {}  # live episode id -> its group
+        self._resetting: set[str] = set()  # live episodes whose env reset was sent and has not come back
         self._stepping: dict[str, float] = {}  # episode id -> when its env step was sent
+        # Episodes of ended groups whose reset or step was still out: closed once it comes back, since a
+        # close sent meanwhile could overtake it on the env worker (and a reset would then start an env
+        # nobody closes).
+        self._closing: set[str] = set()
         self._counts: collections.Counter[str] = collections.Counter()
         self._env_seconds: list[float] = []
         self._tools = ToolFailureMonitor(spec.max_tool_failure_frac)
@@ -204,7 +214,8 @@ class EpisodeScheduler:
 
     def close(self) -> None:
         """Stop the background thread, abort every turn in flight and close the live episodes'
-        environments, as far as the workers still answer (after a loss, or at shutdown, they may be gone)."""
+        environments, as far as the workers still answer (after a loss, or at shutdown, they may be gone
+        or frozen): nothing here waits for a worker."""
         with self._lock:
             self._closed = True
             self._changed.notify_all()
@@ -216,6 +227,11 @@ class EpisodeScheduler:
                     self._close(group)
                 except Exception:  # noqa: BLE001 - a lost worker is the pipeline's to replace, not close's
                     self._live = [g for g in self._live if g is not group]
+            # No poll will take their calls' results now. Their close may overtake a call still out (on a
+            # worker that stays, an env left open until the worker ends); on a lost one it never runs.
+            if self._closing:
+                self.envs.close(sorted(self._closing))
+                self._closing.clear()
 
     # ----- pumping ---------------------------------------------------------------------------------------
 
@@ -246,7 +262,8 @@ class EpisodeScheduler:
 
     def _pump(self) -> None:
         """One round: drop stale groups, draw the groups wanted, send the turns waiting, wait for turns
-        or env steps to come back, and react to them."""
+        or env resets and steps to come back, and react to them. Every call to a worker under the lock
+        only sends; the waits run outside it, so the pipeline's calls never wait for a worker."""
         with self._lock:
             self._drop_stale()
             starting, self._to_start = self._to_start, []
@@ -260,11 +277,11 @@ class EpisodeScheduler:
             events = self.backend.poll(self.poll_s if not self.envs.pending else ENV_POLL_S)
             with self._lock:
                 touched += self._on_generated(events.generated)
-            stepped = self.envs.poll(0.0)
-        else:  # only env steps are out: wait for them
-            stepped = self.envs.poll(self.poll_s)
+            answered = self.envs.poll(0.0)
+        else:  # only env resets and steps are out: wait for them
+            answered = self.envs.poll(self.poll_s)
         with self._lock:
-            touched += self._on_stepped(stepped)
+            touched += self._on_env(answered)
             self._settle(dict.fromkeys(touched))
             self._changed.notify_all()
 
@@ -295,19 +312,14 @@ class EpisodeScheduler:
         )
 
     def _start(self, groups: list[_Group]) -> None:
-        """Reset the groups' environments (one call per env worker) and settle those that failed."""
+        """Send the resets of the groups' environments (one call per env worker); each episode starts
+        when its reset comes back (``_on_env``)."""
         self._live += groups
         self._group_of.update({eid: group for group in groups for eid in group.episodes})
         requests = [(eid, group.seed) for group in groups for eid in group.episodes]
-        for result in self.envs.reset(requests):
-            group = self._group_of[result.episode_id]
-            episode = group.episodes[result.episode_id]
-            self._count_env(result, group)
-            if result.status == OK:
-                episode.start(result.observation)
-            else:
-                episode.end(_failure(result), RuntimeError(result.error))
-        self._settle(groups)
+        if requests:
+            self._resetting.update(eid for eid, _ in requests)
+            self.envs.send_resets(requests)
 
     def _send(self) -> None:
         """The next turn of every live episode waiting for one."""
@@ -315,7 +327,7 @@ class EpisodeScheduler:
         by_worker: dict[int, list[GenerateRequest]] = collections.defaultdict(list)
         for group in self._live:
             for eid, episode in group.episodes.items():
-                if eid in in_flight or eid in self._stepping or episode.done:
+                if eid in in_flight or eid in self._resetting or eid in self._stepping or episode.done:
                     continue
                 context, room = episode.next_request()
                 request_id = f"{eid}t{len(episode.turns)}"
@@ -347,18 +359,35 @@ class EpisodeScheduler:
             self.envs.send(actions)
         return touched
 
-    def _on_stepped(self, results: list[EnvResult]) -> list[_Group]:
-        """The env's answers: observations appended, or the episode ended by its env's failure."""
-        touched = []
+    def _on_env(self, results: list[EnvResult]) -> list[_Group]:
+        """The env's answers to resets and steps: an episode started, its observation appended, or the
+        episode ended by its env's failure."""
+        touched, closing = [], []
         now = self.clock()
         for result in results:
-            group = self._group_of.get(result.episode_id)
-            sent = self._stepping.pop(result.episode_id, None)
-            if group is None or sent is None:
-                continue  # the group ended meanwhile (its other episodes completed it)
+            eid = result.episode_id
+            if eid in self._closing:  # the group ended meanwhile (its other episodes completed it)
+                self._closing.discard(eid)
+                closing.append(eid)
+                continue
+            group = self._group_of.get(eid)
+            if group is None:
+                continue
+            episode = group.episodes[eid]
+            if eid in self._resetting:
+                self._resetting.discard(eid)
+                self._count_env(result, group)
+                if result.status == OK:
+                    episode.start(result.observation)
+                else:
+                    episode.end(_failure(result), RuntimeError(result.error))
+                touched.append(group)
+                continue
+            sent = self._stepping.pop(eid, None)
+            if sent is None:
+                continue
             if group.training:
                 self._env_seconds.append(now - sent)
-            episode = group.episodes[result.episode_id]
             self._count_env(result, group)
             if result.status == OK:
                 episode.observe(
@@ -367,6 +396,8 @@ class EpisodeScheduler:
             else:
                 episode.end(_failure(result), RuntimeError(result.error))
             touched.append(group)
+        if closing:
+            self.envs.close(closing)
         return touched
 
     def _settle(self, groups: Any) -> None:
@@ -419,9 +450,12 @@ class EpisodeScheduler:
             episode.end(StopReason.ABORTED)
         if group.training:
             self._counts["aborted_episodes"] += len(unfinished)
-        self.envs.close(list(group.episodes))
+        out = {eid for eid in group.episodes if eid in self._resetting or eid in self._stepping}
+        self._closing |= out  # closed when their call comes back (``_on_env``)
+        self.envs.close([eid for eid in group.episodes if eid not in out])
         for eid in group.episodes:
             self._group_of.pop(eid, None)
+            self._resetting.discard(eid)
             self._stepping.pop(eid, None)
 
     def _is_stale(self, group: _Group) -> bool:
