@@ -224,6 +224,18 @@ def test_redundant_episodes_complete_a_group_while_a_slow_one_still_runs() -> No
     assert backend.now < 100.0  # the step never waited for the slow episodes
 
 
+def test_a_group_keeps_its_first_started_episodes_not_its_first_to_end() -> None:
+    # Episode e0 of every group is 100x slower than e1 and the redundant e2. Keeping the first two to end
+    # (e1, e2) would drop every slow episode from the baseline; the group keeps e0 and e1, and e2, its
+    # stand-in for an episode whose env fails, is aborted once they have ended.
+    slow = {f"g{g}e0": 100.0 for g in range(2)}
+    sched, backend, _ = scheduler(expert(slow=slow), groups=2, group_size=2, redundancy=1)
+    batch, metrics = sched.next_batch(1)
+    assert batch["episode_id"] == ["g0e0", "g0e1", "g1e0", "g1e1"]
+    assert metrics["rollout/aborted_episodes"] == 0  # e2 had ended before e0: nothing left to abort
+    assert backend.now >= 100.0  # the step waited for the slow episodes it keeps
+
+
 def test_a_group_completes_from_its_fast_episodes_while_a_slow_env_still_runs() -> None:
     # Episode e2 of each group has an env that takes 100 virtual seconds per step, the others 0.01.
     latency = lambda episode_id: 100.0 if episode_id.endswith("e2") else 0.01  # noqa: E731

@@ -67,8 +67,10 @@ class EnvConfig:
     group_size_redundancy: int = option(
         0,
         ge=0,
-        help="Extra episodes started per group: the first rollout.num_return_sequences to end complete it, "
-        "the rest are aborted (a slow or failing env then costs no waiting).",
+        help="Extra episodes started per group, standing in for episodes whose env fails (or times out): "
+        "a group is its first rollout.num_return_sequences episodes in start order that did not fail, "
+        "and the rest are aborted once those have ended. Not the first to end, which would bias every "
+        "group towards short episodes.",
     )
     stop_reasons: dict[str, str] = option(
         {},

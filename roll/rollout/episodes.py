@@ -7,9 +7,11 @@ agentic pipeline full training batches: one sample per episode, or step-wise one
   stepped in their environments together (one call per environment worker), and their next turns go out
   at once.
 - **Groups.** The episodes of one seed form a group of ``group_size`` (GRPO compares them).
-  ``redundancy`` starts extra episodes per group; the first ``group_size`` to end complete it and the
-  rest are aborted. A batch takes the first ``groups_per_step`` groups *in the order their seeds were
-  drawn*, once all of them are complete: taking groups as they complete would favour short episodes.
+  ``redundancy`` starts extra episodes per group, which stand in for episodes whose env fails: the
+  group is its first ``group_size`` episodes in start order that did not fail, complete once they have
+  all ended, and the rest are aborted. Keeping the first to *end* instead would favour short episodes
+  (quick failures, quick successes) in every group's baseline. Likewise a batch takes the first
+  ``groups_per_step`` groups *in the order their seeds were drawn*, once all of them are complete.
 - **Failures.** An environment that raises or hangs has been retried once by its pool (see
   ``roll.envs.pool``); if it failed again, its episode is dropped. A group that can no longer complete
   is dropped and a new seed is drawn in its place, and the counters (``env/error_frac``,
@@ -99,7 +101,7 @@ class _Group:
     training: bool  # a training seed's group (not a held-out episode of the evaluation)
     size: int  # episodes that complete it
     start_version: int  # the weights version when it started
-    ended: list[str] = field(default_factory=list)  # episodes that ended as samples, in order
+    ended: list[str] = field(default_factory=list)  # the episodes it keeps as samples, once complete
     released: set[str] = field(default_factory=set)  # episodes whose kept KV the engine was told to free
     closed: bool = False
     complete: bool = False
@@ -410,16 +412,15 @@ class EpisodeScheduler:
             if ended:  # the KV the engine kept for their next turn is freed now
                 self.backend.release_prefixes(group.worker, ended)
                 group.released.update(ended)
-            for eid, episode in group.episodes.items():
-                if episode.done and eid not in group.ended and not episode.failed:
-                    group.ended.append(eid)
-            failed = sum(episode.failed for episode in group.episodes.values())
-            if len(group.ended) >= group.size:
+            # Start order, a failed episode's place taken by the next one started.
+            kept = [eid for eid, episode in group.episodes.items() if not episode.failed][: group.size]
+            if len(kept) == group.size and all(group.episodes[eid].done for eid in kept):
+                group.ended = kept
                 self._close(group)
                 group.complete = True
                 if group.training:
                     self._complete.append(group)
-            elif len(group.episodes) - failed < group.size:
+            elif len(kept) < group.size:
                 self._close(group)
                 if not group.training:  # evaluation keeps the failed episode
                     continue
