@@ -374,7 +374,7 @@ def test_a_resumed_dpo_run_matches_the_uninterrupted_one_even_with_its_cache_del
 ):
     """The resumed run scores the reference again from the actor before the checkpoint loads, so the
     values are the initial policy's and the run goes on exactly as the one that never stopped."""
-    from test_resume import comparable, crash_after
+    from test_resume import assert_same_rows, crash_after
 
     run = ("steps=4", "checkpoint.every_steps=2", "eval.every_steps=2")
     expected = run_dpo(tmp_path, tiny_model_path, "finished", *run)
@@ -382,7 +382,7 @@ def test_a_resumed_dpo_run_matches_the_uninterrupted_one_even_with_its_cache_del
     shutil.rmtree(tmp_path / "stopped" / "reference_cache")
     got = run_dpo(tmp_path, tiny_model_path, "stopped", *run, resume="latest")
     assert [row["step"] for row in got] == [0, 1, 2, 3, 4]
-    assert comparable(got) == comparable(expected)
+    assert_same_rows(got, expected)
     assert len(list((tmp_path / "stopped" / "reference_cache").iterdir())) == 2  # scored again
 
 

@@ -28,6 +28,18 @@ def comparable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if k != "time" and not k.startswith(TIMING)} for row in rows]
 
 
+def assert_same_rows(got: list[dict], expected: list[dict]) -> None:
+    """The rows equal but for timings; a failure names each metric that differs, with both values."""
+    got, expected = comparable(got), comparable(expected)
+    differ = [
+        (row.get("step"), key, row.get(key), other.get(key))
+        for row, other in zip(got, expected)
+        for key in sorted(set(row) | set(other))
+        if row.get(key) != other.get(key)
+    ]
+    assert len(got) == len(expected) and not differ, differ
+
+
 def metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -68,7 +80,7 @@ def test_rlvr_resumed_run_matches_the_uninterrupted_one(tmp_path: Path) -> None:
 
     expected, got = metrics(finished), metrics(stopped)
     assert [row["step"] for row in got] == list(range(0, 5))
-    assert comparable(got) == comparable(expected)
+    assert_same_rows(got, expected)
     assert any(row["actor/grad_norm"] > 0 for row in expected[3:]), "no update after the resume point"
     for row in got[1:]:
         for key in ["critic/loss", "critic/explained_variance", "critic/vf_clip_frac", "returns/mean"]:
@@ -93,7 +105,7 @@ def test_sft_resumed_run_matches_the_uninterrupted_one(tmp_path: Path) -> None:
     run_pipeline(load_config("examples/sft.yaml", [*run, f"output_dir={stopped}"]), resume="latest")
     expected, got = metrics(finished), metrics(stopped)
     assert [row["step"] for row in got] == list(range(0, 9))
-    assert comparable(got) == comparable(expected)
+    assert_same_rows(got, expected)
 
 
 @pytest.mark.usefixtures("at_repo_root")

@@ -27,7 +27,7 @@ from roll.tracking import Tracker
 from roll.utils.signals import set_activity
 from roll.workers.actor import ActorSpec, ActorWorker, DistillLossSpec, OptimizerSpec
 from roll.workers.base import ModelSpec
-from roll.workers.reference import ReferenceWorker
+from roll.workers.reference import ReferenceSpec, ReferenceWorker
 
 TEACHER_FIELDS = ("teacher_indices", "teacher_logprobs")
 STUDENT_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", *TEACHER_FIELDS)
@@ -85,12 +85,10 @@ class DistillPipeline(TrainerPipeline):
             self._score_with_teacher(missing, splits, tracker)
 
     def _score_with_teacher(self, paths: dict[str, Path], splits: dict, tracker: Tracker) -> None:
-        from roll.pipelines.policy import ModelHolder
-
         cfg = self.config
         set_activity("starting the teacher")
         start = time.perf_counter()
-        spec = ModelHolder(
+        spec = ReferenceSpec(
             from_section(
                 ModelSpec, cfg.model, path=cfg.teacher.model_path, dtype=cfg.model.inference(), seed=cfg.seed
             )

@@ -28,7 +28,7 @@ from roll.tracking import Tracker
 from roll.utils.signals import set_activity
 from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec, PreferenceLossSpec
 from roll.workers.base import ModelSpec
-from roll.workers.reference import ReferenceWorker
+from roll.workers.reference import ReferenceSpec, ReferenceWorker
 
 # What the workers read of a batch of pairs (the rest stays in the driver).
 PAIR_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", REJECTED_IDS, REJECTED_MASK)
@@ -79,9 +79,7 @@ class DPOPipeline(TrainerPipeline):
         set_activity("starting the DPO workers")
         self.workers["actor"] = self.cluster("actor", ActorWorker, self.world_size, spec)
         if cfg.reference.source == "worker":
-            from roll.pipelines.policy import ModelHolder
-
-            reference = self.cluster("reference", ReferenceWorker, self.world_size, ModelHolder(model))
+            reference = self.cluster("reference", ReferenceWorker, self.world_size, ReferenceSpec(model))
             self.workers["reference"] = reference
             reference.setup(blocking=False)
         setup_trainer(self.actor)

@@ -1,5 +1,6 @@
 """The skeleton of every pipeline that trains a policy on its own samples (RLVR, agentic): its roles, the
-RL step, weight sync, replacing lost stateless workers, restarts and shutdown.
+RL step, restarts and shutdown. The weights and their version travel through a ``WeightPublisher``
+(``weight_publisher.py``); lost stateless workers are replaced by a ``Supervisor`` (``supervisor.py``).
 
 A pipeline on it gives what differs: the inputs it reads (``take_inputs``), its warm start, the roles
 beside actor, critic, rollout and reference (``extra_roles``), the scheduler that turns the rollout
@@ -15,7 +16,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +25,7 @@ import torch
 
 from roll.algorithms.functional import masked_mean
 from roll.algorithms.kl import adaptive_kl_coef
-from roll.config.devices import TEACHER_PREFIX, resolve_world_sizes
+from roll.config.devices import resolve_world_sizes
 from roll.config.loader import ConfigError
 from roll.config.rlvr import off_policy_note
 from roll.data.batch import Batch
@@ -56,19 +56,20 @@ from roll.pipelines.credit import (
 )
 from roll.pipelines.onpolicy_distill import distill_advantages, onpolicy_teachers, row_teachers, teacher_role
 from roll.pipelines.preflight import RunInputs, preflight
-from roll.pipelines.recovery import RestartBudget, lost_workers
+from roll.pipelines.recovery import RestartBudget
 from roll.pipelines.roles import Role, RoleSet
 from roll.pipelines.run_dir import RunDirectory
 from roll.pipelines.run_loop import RunLoop
+from roll.pipelines.supervisor import Supervisor
+from roll.pipelines.weight_publisher import WeightPublisher
 from roll.pipelines.worker_specs import device_roles, plan_workers, updates_per_step
 from roll.rollout.backend import BatchBackend, RayBackend, RewardDispatch, RolloutBackend
 from roll.rollout.router import RolloutRouter
 from roll.tracking import Tracker
 from roll.utils.signals import set_activity
 from roll.workers.actor import ActorWorker
-from roll.workers.base import ModelSpec
 from roll.workers.critic import CriticWorker
-from roll.workers.reference import ReferenceWorker
+from roll.workers.reference import ReferenceSpec, ReferenceWorker
 from roll.workers.rollout import RolloutWorker
 
 
@@ -95,13 +96,16 @@ class PolicyPipeline(RunLoop):
         self.device_table: DeviceTable | None = None
         self.role_set: RoleSet | None = None  # the live clusters (and standbys) of the run's roles
         self.scheduler: Any = None
-        self.weight_sync: WeightSync | None = None
+        # The one count of the weights version the rollout workers hold; the scheduler is told each one.
+        self.publisher = WeightPublisher(
+            on_version=lambda version: self.scheduler.set_weights_version(version),
+            before_sync=lambda: self.colocation.use("actor", "rollout"),
+        )
         self.run_dir: RunDirectory | None = None
         inputs = inputs or preflight(config)
         self.tokenizer = inputs.tokenizer
         self.take_inputs(inputs)
         self.budget = RestartBudget(config.checkpoint.max_restarts)
-        self.weights_version = 0  # the last weights version sent to the rollout workers (0: initial)
         self._schedulers_made = 0
         self._draining: RolloutBackend | None = None  # a closed scheduler's backend, see _close_scheduler
         try:
@@ -202,11 +206,18 @@ class PolicyPipeline(RunLoop):
         roles = self._declare_roles()
         if self.role_set is None:
             self.role_set = RoleSet(roles, self._make, standby=cfg.checkpoint.standby_workers)
+            self.supervisor = Supervisor(
+                self.role_set,
+                self.budget,
+                lambda: self.colocation,
+                self.scheduler_roles,
+                self._replace_rollout_side,
+            )
         self.role_set.roles = roles
         # Roles already running (workers that outlived a lost trainer) are kept.
         started = self.role_set.start()
         if "rollout" in started:
-            self.weights_version = 0  # new rollout workers hold the initial weights
+            self.publisher.reset()
         self.generator, self.generator_role = (
             (self.actor, "actor") if plan.hybrid_engine else (self.rollout, "rollout")
         )
@@ -223,7 +234,7 @@ class PolicyPipeline(RunLoop):
         self.colocation.start(setups)
         self.scheduler = self._new_scheduler()
         if self.rollout is not None:
-            self.weight_sync = self._connect_weight_sync()
+            self.publisher.connect(self._weight_sync())
 
     def before_start(self) -> None:  # noqa: B027 - optional hook
         """Before the workers start (and start again after a restart)."""
@@ -245,10 +256,10 @@ class PolicyPipeline(RunLoop):
         for name, teacher in onpolicy_teachers(cfg).items():
             role = teacher_role(name)
             model = dataclasses.replace(plan.rollout.model, path=teacher.model_path)  # inference dtype
-            spec = ModelHolder(model)
+            spec = ReferenceSpec(model)
             roles[role] = Role(role, ReferenceWorker, teacher.world_size, spec, replaceable=True)
         if reference_workers(cfg):
-            holder = ModelHolder(plan.actor.model)
+            holder = ReferenceSpec(plan.actor.model)
             roles["reference"] = Role(
                 "reference", ReferenceWorker, cfg.actor.world_size, holder, replaceable=True
             )
@@ -289,12 +300,13 @@ class PolicyPipeline(RunLoop):
         prefix = f"s{self._schedulers_made}-" if self._schedulers_made else ""
         self._schedulers_made += 1
         scheduler = self.make_scheduler(backend, prefix)
-        scheduler.set_weights_version(self.weights_version)
+        scheduler.set_weights_version(self.publisher.version)
         return scheduler
 
-    def _connect_weight_sync(self) -> WeightSync:
+    def _weight_sync(self) -> WeightSync:
+        """The transfer from the actor's ranks to the rollout workers (not yet connected)."""
         cfg = self.config
-        sync = WeightSync(
+        return WeightSync(
             self.actor,
             self.rollout,
             bucket_bytes=self.plan.weight_bucket_bytes,
@@ -302,8 +314,6 @@ class PolicyPipeline(RunLoop):
             colocated=is_colocated(self.role_devices["actor"], self.role_devices["rollout"]),
             probe=self._sync_probe(),
         )
-        sync.connect()
-        return sync
 
     def _sync_probe(self) -> SyncProbe | None:
         """The check after every weight sync (``rollout.sync_probe_*``), or None when it is off."""
@@ -394,33 +404,11 @@ class PolicyPipeline(RunLoop):
                 clusters[role].set_rng_state(states)
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_coef = state["kl_coef"]
-        # Fresh rollout workers get version ``step``, as in the run that saved it; ones that outlived a
-        # lost trainer hold a later version of the abandoned steps, so theirs must count on from it.
-        if step > 0:
-            version = max(step, self.weights_version + 1)
-            if self.weight_sync is not None:
-                self._sync_weights(version)
-            self.weights_version = version
-        self.scheduler.set_weights_version(self.weights_version)
-
-    def _publish_weights(self) -> dict[str, object] | None:
-        """The trainer's weights to the rollout workers as the next version (one per step in a run that
-        never lost its rollout workers, so there version == step); returns the transfer's stats."""
-        version = self.weights_version + 1
-        sent = self._sync_weights(version) if self.weight_sync is not None else None
-        self.weights_version = version
-        self.scheduler.set_weights_version(version)
-        return sent
-
-    def _sync_weights(self, version: int) -> dict[str, object]:
-        self.colocation.use("actor", "rollout")
-        return self.weight_sync.sync(version=version)
+        self.publisher.restore(step)
 
     def clusters(self) -> dict[str, Cluster]:
         """The live clusters, in the order the roles are declared."""
-        if self.role_set is None:
-            return {}
-        return {name: self.role_set.live[name] for name in self.role_set.roles if name in self.role_set.live}
+        return self.supervisor.clusters() if self.role_set is not None else {}
 
     actor = property(lambda self: self._live("actor"))
     critic = property(lambda self: self._live("critic"))
@@ -431,57 +419,22 @@ class PolicyPipeline(RunLoop):
         return self.role_set.get(role) if self.role_set is not None else None
 
     def _replacing(self, call: Callable[[], T]) -> T:
-        """``call()``; when it fails because workers holding no training state were lost (rollout,
-        reward, reference, environment), they are replaced and ``call`` runs again: no step is lost or
-        repeated. A lost trainer is left to ``_restart``."""
-        while True:
-            try:
-                return call()
-            except (WorkerError, WeightSyncError) as error:
-                lost = lost_workers(error, self.clusters())
-                if not lost or not set(lost) <= self.role_set.replaceable():
-                    raise
-                self.budget.spend(error, lost, f"replacing {' and '.join(sorted(lost))} workers")
-                self._replace(set(lost))
-
-    def _replace(self, roles: set[str]) -> None:
-        """New clusters in place of the lost stateless ones. After the loss of a role the scheduler
-        depends on, the scheduler starts again from the old one's state, so the work in flight is done
-        again by the new workers; the reference model is the initial policy, loaded again."""
-        set_activity(f"replacing lost {' and '.join(sorted(roles))} workers")
-        start = time.perf_counter()
-        # Model holders with no state but the model they loaded: the reference and distillation's teachers.
-        for name in sorted(r for r in roles if r == "reference" or r.startswith(TEACHER_PREFIX)):
-            cluster = self.role_set.replace(name)
-            cluster.setup()
-            self.colocation.clusters[name] = cluster
-        standby = self.config.checkpoint.standby_workers
-        if roles & self.scheduler_roles:
-            self._replace_rollout_side(roles)
-        logger.warning(
-            "replaced the %s workers in %.1f s%s",
-            " and ".join(sorted(roles)),
-            time.perf_counter() - start,
-            " (standby processes)" if standby else "",
-        )
-        self.role_set.fill_standby()
+        """``call()``, with lost workers that hold no training state replaced (``Supervisor.guard``)."""
+        return self.supervisor.guard(call)
 
     def _replace_rollout_side(self, roles: set[str]) -> None:
+        """The lost ones of the scheduler's roles replaced, and the scheduler started again from the old
+        one's state, so the work in flight is done again by the new workers."""
         state = self.scheduler.state_dict()
         self._close_scheduler(keeps_rollout="rollout" not in roles)
         for name in sorted(roles & self.scheduler_roles - {"rollout"}):
             self.role_set.replace(name).setup()
         if "rollout" in roles:
-            if self.weight_sync is not None:
-                self.weight_sync.close()
-            version = self.weights_version
+            self.publisher.close()
             self.generator = self.role_set.replace("rollout")
             self.generator.setup()
             self.colocation.clusters["rollout"] = self.generator
-            self.weight_sync = self._connect_weight_sync()
-            if version > 0:  # the trained weights, under the version the lost workers held
-                self._sync_weights(version)
-                self.weights_version = version
+            self.publisher.reconnect(self._weight_sync())
         self.scheduler = self._new_scheduler()
         self.scheduler.load_state_dict(state)
 
@@ -553,16 +506,16 @@ class PolicyPipeline(RunLoop):
             metrics.update(
                 {f"actor/{k}": v for k, v in self.actor.train_step(_tensors(batch), kl_loss_coef).items()}
             )
-        if self.weight_sync is not None:
+        if self.publisher.sends:
             with timer("sync"):
                 _add(metrics, self.colocation.use("actor", "rollout"))
-                sent = self._replacing(self._publish_weights)
+                sent = self._replacing(self.publisher.publish)
                 metrics["sync/gb_per_s"], metrics["sync/bytes"] = sent["gb_per_s"], sent["bytes"]
                 if "max_logprob_diff" in sent:
                     metrics["sync/max_logprob_diff"] = sent["max_logprob_diff"]
                     metrics["time/sync_probe_s"] = sent["probe_s"]  # part of time/sync_s
         else:
-            self._publish_weights()
+            self.publisher.publish()
         if self.uses_reference:
             metrics["actor/kl_coef"] = self.kl_coef
             self._adapt_kl_coef(metrics, len(batch))
@@ -672,14 +625,11 @@ class PolicyPipeline(RunLoop):
         """Stop the scheduler, the weight transfer and every worker but the roles in ``keep``."""
         if self.scheduler is not None:
             self._close_scheduler(keeps_rollout="rollout" in keep and self.rollout is not None)
-        if self.weight_sync is not None:
-            self.weight_sync.close()
-            self.weight_sync = None
+        self.publisher.close()
         if self.role_set is not None:
             self.role_set.stop(keep)
 
 
-logger = logging.getLogger(__name__)
 # How long a closing scheduler waits for its open calls on rollout workers that a new one takes over
 # (a collect_finished returns within the router's 1 s wait).
 DRAIN_S = 5.0
@@ -695,13 +645,6 @@ def reference_workers(cfg: Any) -> bool:
     """Whether the run starts reference workers: a KL term needs the initial policy, which with LoRA is the
     actor's own base weights (``ActorWorker.compute_reference_logprobs``), so no second copy is loaded."""
     return cfg.algorithm.kl_coef > 0 and cfg.actor.lora is None
-
-
-@dataclasses.dataclass
-class ModelHolder:
-    """Config object for model-only workers (reference, rollout)."""
-
-    model: ModelSpec
 
 
 def _add(metrics: dict[str, float], more: dict[str, float]) -> None:

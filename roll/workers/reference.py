@@ -1,9 +1,20 @@
-"""Reference worker: the frozen initial policy, for KL regularisation."""
+"""Reference worker: a frozen model scoring tokens (the initial policy for KL regularisation, a DPO
+reference, a distillation teacher)."""
 
 from __future__ import annotations
 
-from roll.workers.base import ModelWorker
+from dataclasses import dataclass
+
+from roll.workers.base import ModelSpec, ModelWorker
+
+
+@dataclass
+class ReferenceSpec:
+    """What a reference worker receives: only the model it loads."""
+
+    model: ModelSpec
 
 
 class ReferenceWorker(ModelWorker):
-    """Holds the initial policy unchanged; ``compute_logprobs`` gives the reference logprobs."""
+    """Holds its model unchanged; ``compute_logprobs`` gives the reference logprobs. ``config`` is a
+    ReferenceSpec."""
