@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from roll.distributed import ports
 from roll.distributed.collective import CollectiveError, create_group, destroy_group
 from roll.distributed.weight_buckets import (
     ALIGNMENT,
@@ -39,9 +40,7 @@ BUCKET_BYTES = 4096
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return ports.free_port("127.0.0.1")
 
 
 def state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -418,3 +417,15 @@ def test_transfer_backend_is_nccl_only_between_disjoint_gpus() -> None:
     assert transfer_backend({"cuda"}, colocated=True) == "gloo"
     assert transfer_backend({"cuda", "cpu"}, colocated=False) == "gloo"
     assert transfer_backend({"cpu"}, colocated=False) == "gloo"
+
+
+def test_a_rendezvous_port_is_free_and_below_the_kernels_ephemeral_range(monkeypatch) -> None:
+    """Outgoing connections take their local ports from the ephemeral range: a port picked there can be
+    gone by the time a store binds it (this test file failed CI once on that)."""
+    port = ports.free_port("127.0.0.1")
+    assert ports.LOWEST <= port < ports.ephemeral_start()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))  # free indeed
+    # A range that leaves no room below it: the kernel's choice.
+    monkeypatch.setattr(ports, "ephemeral_start", lambda: ports.LOWEST)
+    assert ports.free_port("127.0.0.1") > 0

@@ -113,9 +113,9 @@ class Worker:
         """Release collectives and memory before the actor is killed."""
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        from roll.distributed.ports import free_port
+
+        return free_port()
 
     @register(Dispatch.RANK_ZERO)
     def master_address(self) -> tuple[str, int]:
