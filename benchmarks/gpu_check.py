@@ -11,10 +11,15 @@ peak-memory numbers; a CUDA error or a hang in one section cannot take the other
   ``reacquire_memory`` (what colocation calls), bytes, seconds and device memory before/after.
 - ``train``: a real ``ActorWorker`` (in-process, no Ray): ``setup`` then ``train_step`` (PPO-clip policy
   loss with entropy, fused AdamW, grad clip) on ``--train-rows`` rows of ``--prompt-len`` +
-  ``--response-len`` tokens in micro-batches of ``--micro-batch``; step time and peak memory; then
-  ``offload_states`` / ``reload_states`` (model + grads + Adam moments) twice, a step after each reload.
-  Also reports the share of weights one step at lr 1e-6 changes. ``--dtypes bf16-autocast`` runs float32
-  weights under ``torch.autocast(bfloat16)`` instead (mixed precision; ROLL has no such mode).
+  ``--response-len`` tokens (responses of ragged lengths, a quarter to all of ``--response-len``, as RL
+  batches are) in micro-batches of ``--micro-batch``; step time, tokens/s of real tokens, MFU against
+  ``--peak-tflops``, peak memory; then ``offload_states`` / ``reload_states`` (model + grads + Adam
+  moments, through reused pinned buffers) twice, a step after each reload. Also reports the share of
+  weights one step at lr 1e-6 changes. Each of ``--train-variants`` runs: an attention kernel
+  (``flash_attention_2`` packs the rows without padding; skipped when flash-attn is not installed), with
+  ``+ckpt`` gradient checkpointing. ``--dtypes bf16-autocast`` runs float32 weights under
+  ``torch.autocast(bfloat16)`` instead (a peer's way of mixed precision, for comparison: ROLL's bfloat16
+  is FSDP2's mixed precision over float32 master weights).
 - ``sync``: the colocated weight transfer (``ActorWorker.send_weights`` -> ``RolloutWorker.receive_weights``
   over a two-rank gloo group through host memory, as ``WeightSync`` picks for roles sharing a GPU), in
   two threads of one process; checks the engine then holds the trainer's weights.
@@ -30,6 +35,7 @@ peak-memory numbers; a CUDA error or a hang in one section cannot take the other
 
     python benchmarks/gpu_check.py                               # 0.5B, fp32 and bf16, default sections
     python benchmarks/gpu_check.py --sections decode,host_copy --dtypes float32,bfloat16
+    python benchmarks/gpu_check.py --sections train --dtypes bfloat16   # issue 41's numbers: MFU, packing
     python benchmarks/gpu_check.py --size tiny --vocab 0 --device cpu --new-tokens 8 --prompt-len 8 \
         --response-len 8 --train-rows 4 --micro-batch 2         # smoke check on a CPU (under a minute)
 
@@ -172,31 +178,35 @@ def _random_ids(rows: int, length: int, vocab: int, generator):
 
 
 def _train_batch(rows: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0):
+    """Full prompts and responses of ragged lengths (a quarter to all of ``response_len``), right-padded."""
     import torch
 
     from roll.data.batch import Batch
 
     g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(max(1, response_len // 4), response_len + 1, (rows,), generator=g)
+    response_mask = (torch.arange(response_len)[None] < lengths[:, None]).long()
     return Batch(
         tensors={
             "prompt_ids": _random_ids(rows, prompt_len, vocab, g),
             "prompt_mask": torch.ones(rows, prompt_len, dtype=torch.long),
             "response_ids": _random_ids(rows, response_len, vocab, g),
-            "response_mask": torch.ones(rows, response_len, dtype=torch.long),
+            "response_mask": response_mask,
             "advantages": torch.randn(rows, response_len, generator=g),
         }
     )
 
 
-def _actor(args, dtype: str):
+def _actor(args, dtype: str, attn_implementation: str = "sdpa", checkpointing: bool = False):
     from roll.workers.actor import ActorSpec, ActorWorker
     from roll.workers.base import ModelSpec
     from roll.workers.trainer import OptimizerSpec
 
     spec = ActorSpec(
-        model=ModelSpec(path=args.model_dir, dtype=dtype),
+        model=ModelSpec(path=args.model_dir, dtype=dtype, attn_implementation=attn_implementation),
         optimizer=OptimizerSpec(lr=1e-6, total_steps=1000),
         micro_batch_size=args.micro_batch,
+        gradient_checkpointing=checkpointing,
     )
     worker = ActorWorker("actor", 0, 1, spec)
     worker.setup()
@@ -284,15 +294,18 @@ def section_infer(args, dtype: str) -> None:
 
 
 def section_train(args, dtype: str) -> None:
-    """``dtype`` float32 / bfloat16 as ROLL loads them, or ``bf16-autocast``: float32 weights and Adam
-    state with the forward and backward under ``torch.autocast(bfloat16)`` (mixed precision, for
-    comparison: ROLL has no such mode)."""
+    """``dtype`` float32 / bfloat16 as ROLL loads them (bfloat16: FSDP2 mixed precision over float32
+    master weights), or ``bf16-autocast``: float32 weights and Adam state with the forward and backward
+    under ``torch.autocast(bfloat16)``, for comparison."""
     import torch
+
+    from roll.strategies.hf_forward import packs_sequences
 
     device = _device(args.device)
     autocast = dtype == "bf16-autocast"
+    kernel, _, extra = args.child_variant.partition("+")
     t0 = time.perf_counter()
-    worker = _actor(args, "float32" if autocast else dtype)
+    worker = _actor(args, "float32" if autocast else dtype, kernel, checkpointing=extra == "ckpt")
     if autocast:
         plain_step = worker.train_step
 
@@ -305,7 +318,7 @@ def section_train(args, dtype: str) -> None:
     assert worker.device.type == device.type, f"actor picked {worker.device}, expected {device}"
     vocab = worker.model.config.vocab_size
     batch = _train_batch(args.train_rows, args.prompt_len, args.response_len, vocab)
-    tokens = args.train_rows * (args.prompt_len + args.response_len)
+    tokens = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())  # real tokens, not padding
     worker.train_step(batch)  # warm-up (and creates the Adam moments)
     # How much of the model one step at an RL learning rate (1e-6) changes: without an fp32 master copy,
     # bf16 weights drop updates below their rounding step.
@@ -327,12 +340,20 @@ def section_train(args, dtype: str) -> None:
     times.sort()
     median = times[len(times) // 2]
     params = sum(p.numel() for p in worker.model.parameters())
+    # Model FLOPs: 6 per parameter per token (forward and backward; the tied embedding counts once, for the
+    # head), plus causal attention's 6 x layers x hidden x length^2 per sequence.
+    cfg = worker.model.config
+    lengths = batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)
+    attention = 6 * cfg.num_hidden_layers * cfg.hidden_size * int((lengths.double() ** 2).sum())
+    model_flops = 6 * params * tokens + attention
     param_dtypes = sorted({str(p.dtype) for p in worker.model.parameters()})
     state_dtypes = sorted({f"{k}:{v.dtype}" for s in worker.optimizer.state.values() for k, v in s.items()})
     _emit(
         {
             "section": "train",
             "dtype": dtype,
+            "variant": args.child_variant,
+            "packed": packs_sequences(worker.model),
             "params": params,
             "rows": args.train_rows,
             "seq_len": args.prompt_len + args.response_len,
@@ -340,6 +361,7 @@ def section_train(args, dtype: str) -> None:
             "step_s_median": median,
             "step_s_all": times,
             "tokens_per_s": tokens / median,
+            "mfu": model_flops / median / (args.peak_tflops * 1e12),
             "peak_gib": _peak(device),
             "setup_s": setup_s,
             "loss": metrics.get("loss"),
@@ -370,6 +392,7 @@ def section_train(args, dtype: str) -> None:
             {
                 "section": "trainer_offload",
                 "dtype": dtype,
+                "variant": args.child_variant,
                 "round": round_,
                 "bytes": off["bytes"],
                 "offload_s": off["seconds"],
@@ -758,8 +781,9 @@ ONE_DTYPE = {"nccl1": "bfloat16", "nccl2": "float32", "host_copy": "-"}
 
 
 # --------------------------------------------------------------------------------------------- driver
-def _run_child(args, section: str, dtype: str, timeout_s: float) -> list[dict]:
-    cmd = [sys.executable, "-u", __file__, "--child", section, "--child-dtype", dtype, *args.passthrough]
+def _run_child(args, section: str, dtype: str, timeout_s: float, variant: str) -> list[dict]:
+    cmd = [sys.executable, "-u", __file__, "--child", section, "--child-dtype", dtype]
+    cmd += ["--child-variant", variant, *args.passthrough]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     timer = threading.Timer(timeout_s, proc.kill)
     timer.start()
@@ -824,6 +848,14 @@ def main() -> None:
     parser.add_argument("--train-rows", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--train-steps", type=int, default=3)
+    parser.add_argument(
+        "--train-variants",
+        default="sdpa,sdpa+ckpt,flash_attention_2,flash_attention_2+ckpt",
+        help="train: attention kernels, +ckpt for gradient checkpointing",
+    )
+    parser.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="for MFU: the device's dense bf16 peak (H100/H200)"
+    )
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--profile", action="store_true", help="decode: also print a profile (CUDA only)")
     parser.add_argument(
@@ -834,6 +866,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write every result to this JSON-lines file")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-dtype", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-variant", default="sdpa", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
 
@@ -849,6 +882,8 @@ def main() -> None:
         return
 
     import torch
+
+    from roll.models.loading import attention_problem
 
     device = _device(args.device)
     info = {"torch": torch.__version__, "device": str(device), "threads": torch.get_num_threads()}
@@ -879,6 +914,7 @@ def main() -> None:
             f"--train-rows={args.train_rows}",
             f"--micro-batch={args.micro_batch}",
             f"--train-steps={args.train_steps}",
+            f"--peak-tflops={args.peak_tflops}",
             f"--bucket-mb={args.bucket_mb}",
             f"--model-dir={model_dir}",
             *(["--profile"] if args.profile else []),
@@ -889,10 +925,15 @@ def main() -> None:
                 print(f"skipping {section}: needs CUDA", flush=True)
                 continue
             dtypes = [ONE_DTYPE[section]] if section in ONE_DTYPE else args.dtypes.split(",")
-            for dtype in dtypes:
-                print(f"== {section} {dtype}", flush=True)
+            variants = args.train_variants.split(",") if section == "train" else ["sdpa"]
+            for dtype, variant in [(d, v) for d in dtypes for v in variants]:
+                problem = attention_problem(variant.partition("+")[0], [dtype])
+                if problem:
+                    print(f"skipping {section} {dtype} {variant}: {problem}", flush=True)
+                    continue
+                print(f"== {section} {dtype} {variant}", flush=True)
                 start = time.perf_counter()
-                got = _run_child(args, section, dtype, args.section_timeout)
+                got = _run_child(args, section, dtype, args.section_timeout, variant)
                 print(f"   ({time.perf_counter() - start:.1f} s)", flush=True)
                 records += got
                 if args.json:

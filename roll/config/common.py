@@ -80,7 +80,7 @@ class ModelConfig:
         help="The attention kernel of every role that loads the model (transformers' "
         "attn_implementation): sdpa (torch's scaled_dot_product_attention), eager, or a FlashAttention "
         "build when installed (flash_attention_2 needs the flash-attn package and a bfloat16/float16 "
-        "dtype). Checked before the run starts.",
+        "dtype; with it the trainers pack micro-batches without padding). Checked before the run starts.",
     )
 
     def inference(self) -> str:

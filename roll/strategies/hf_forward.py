@@ -5,11 +5,17 @@ Batch layout used across ROLL: ``prompt_ids``/``prompt_mask`` [B, P] left-padded
 (``roll.data.masks``: the tokens trained on are a separate ``loss_mask``). Joined, attended tokens are
 contiguous, so position ids follow from the attention mask. Outputs are masked by the attention mask;
 callers weigh them with the loss mask.
+
+With a FlashAttention kernel the rows of a micro-batch are packed into one row without padding (position
+ids restart at each row's first token, and the kernel keeps the rows apart); the results are laid out
+[B, R] as above either way.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -18,34 +24,91 @@ from roll.data.batch import Batch
 from roll.data.masks import last_index
 from roll.data.padding import position_ids_from_mask
 
+# Attention kernels that take packed rows without a mask over the whole pack: FlashAttention's varlen
+# kernels, which transformers uses when position ids restart inside a row and no attention mask is given.
+# sdpa and eager take packed rows too, but through a block-diagonal mask as long as the pack: they stay
+# padded, since attention then costs the square of the pack's length.
+PACKING_KERNELS = frozenset({"flash_attention_2", "flash_attention_3"})
 
-def _response_outputs(
-    model: torch.nn.Module, batch: Batch
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run ``model`` on prompt + response; returns the per-position outputs [B, L, ...] that *predict* each
-    response token (position t-1 for token t), with the response ids and mask cut to that length L.
 
-    Response columns after the last attended one cost compute and change nothing, so they are dropped
-    (found by index: a response mask with a hole keeps every column up to its end); callers pad their
-    results back to the full width with ``_pad_to``."""
+def packs_sequences(model: torch.nn.Module) -> bool:
+    """Whether forward passes over ``model`` pack each micro-batch's rows into one padding-free row: when
+    its attention kernel is one of ``PACKING_KERNELS``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base.config, "_attn_implementation", None) in PACKING_KERNELS
+
+
+@dataclass
+class _ResponseOutputs:
+    """The model's outputs at the positions that predict response tokens, and how to lay per-token results
+    out as [B, R] (zeros where no response token is attended)."""
+
+    outputs: torch.Tensor  # [B, L, ...] padded, or [1, N, ...] packed (N attended response tokens)
+    targets: torch.Tensor  # the response ids predicted there: [B, L] or [1, N]
+    mask: torch.Tensor  # [B, L] response mask (padded), or [1, N] ones (packed)
+    _place: Callable[[torch.Tensor], torch.Tensor]
+
+    def place(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (one per target) masked and laid out [B, R]."""
+        return self._place(values * self.mask)
+
+
+def _response_outputs(model: torch.nn.Module, batch: Batch, packed: bool | None = None) -> _ResponseOutputs:
+    """Run ``model`` on prompt + response and keep its outputs at the positions that *predict* each
+    response token (position t-1 for token t).
+
+    Padded (sdpa, eager): [B, L, ...] over the response columns up to the last attended one. Columns after
+    it cost compute and change nothing, so they are dropped (found by index: a response mask with a hole
+    keeps every column up to its end). Packed (``packs_sequences``, or ``packed=True``): each row's attended
+    tokens one after another in a single row with position ids restarting at 0, so no compute goes to
+    padding; the outputs are [1, N, ...], one per attended response token."""
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
     response_ids, response_mask = batch["response_ids"], batch["response_mask"]
+    rows, width = response_ids.shape
     length = int(last_index(response_mask).max().item()) + 1 if response_mask.numel() else 0
     length = max(length, 1)
     response_ids, response_mask = response_ids[:, :length], response_mask[:, :length]
-
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     position_ids = position_ids_from_mask(attention_mask)
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
     prompt_length = prompt_ids.shape[1]
-    predicting = slice(prompt_length - 1, prompt_length - 1 + length)  # position t-1 predicts token t
+    options = {"use_cache": False} if forward_takes(model, "use_cache") else {}
+    if packed is None:
+        packed = packs_sequences(model)
+
+    if not packed:
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        predicting = torch.arange(prompt_length - 1, prompt_length - 1 + length, device=input_ids.device)
+        outputs = _forward_at(model, inputs, predicting, options)
+        return _ResponseOutputs(outputs, response_ids, response_mask, lambda values: _pad_to(values, width))
+
+    attended = attention_mask.bool()
+    # A token's place in the pack (row-major over attended tokens); a response token is predicted by the
+    # attended token just before it in its own row.
+    packed_index = attended.flatten().cumsum(0).view_as(attended) - 1
+    response_attended = attended[:, prompt_length:]
+    predicting = packed_index[:, prompt_length:][response_attended] - 1
+    inputs = {"input_ids": input_ids[attended][None], "position_ids": position_ids[attended][None]}
+    outputs = _forward_at(model, inputs, predicting, options)
+    targets = response_ids[response_attended][None]
+    where = response_attended.nonzero(as_tuple=True)
+
+    def place(values: torch.Tensor) -> torch.Tensor:
+        laid_out = values.new_zeros((rows, width))
+        return laid_out.index_put(where, values.reshape(-1))
+
+    return _ResponseOutputs(outputs, targets, torch.ones_like(targets, dtype=response_mask.dtype), place)
+
+
+def _forward_at(
+    model: torch.nn.Module, inputs: dict[str, torch.Tensor], positions: torch.Tensor, options: dict
+) -> torch.Tensor:
+    """``model``'s outputs [rows, len(positions), ...] at ``positions`` of its input."""
     if forward_takes(model, "logits_to_keep"):
-        # The head runs on those positions alone, into a contiguous [B, L, V]: the prompt's logits are never
+        # The head runs on those positions alone, into a contiguous tensor: the prompt's logits are never
         # made (at a 152k vocabulary, 0.3 MB a token in bf16), and no slice of them needs copying.
-        positions = torch.arange(predicting.start, predicting.stop, device=input_ids.device)
-        return model(**inputs, logits_to_keep=positions).logits, response_ids, response_mask
-    return model(**inputs).logits[:, predicting], response_ids, response_mask
+        return model(**inputs, **options, logits_to_keep=positions).logits
+    return model(**inputs, **options).logits[:, positions]
 
 
 def forward_takes(model: torch.nn.Module, argument: str) -> bool:
@@ -66,21 +129,19 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities [B, R] of the response tokens under ``model`` (logits divided by ``temperature``,
     as the sampler did), and their entropy [B, R] when asked. Positions past the response are 0."""
-    logits, response_ids, response_mask = _response_outputs(model, batch)
+    found = _response_outputs(model, batch)
     # No float32 or temperature-scaled copy of the logits: the helpers do both a chunk of rows at a time.
-    width = batch["response_ids"].shape[1]
-    logprobs = logprobs_from_logits(logits, response_ids, temperature) * response_mask
-    entropy = entropy_from_logits(logits, temperature) * response_mask if with_entropy else None
-    return _pad_to(logprobs, width), _pad_to(entropy, width) if entropy is not None else None
+    logprobs = found.place(logprobs_from_logits(found.outputs, found.targets, temperature))
+    entropy = found.place(entropy_from_logits(found.outputs, temperature)) if with_entropy else None
+    return logprobs, entropy
 
 
 def response_values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Values [B, R] from a value model (one scalar head per position, see ``load_value_model``): the
     value of the state *before* each response token, read where that token is predicted. 0 past the
     response."""
-    outputs, _, response_mask = _response_outputs(model, batch)
-    values = outputs[..., 0].float() * response_mask
-    return _pad_to(values, batch["response_ids"].shape[1])
+    found = _response_outputs(model, batch)
+    return found.place(found.outputs[..., 0].float())
 
 
 def sequence_logprobs(
@@ -132,8 +193,10 @@ def pair_logprobs(
 
 def response_logits(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The logits [B, L, V] that predict each response token, with the response ids and mask cut to the
-    same L (the columns up to the last attended one; the caller cuts its own [B, R] tensors to L)."""
-    return _response_outputs(model, batch)
+    same L (the columns up to the last attended one; the caller cuts its own [B, R] tensors to L).
+    Always padded: distillation's losses read the logits by row and column."""
+    found = _response_outputs(model, batch, packed=False)
+    return found.outputs, found.targets, found.mask
 
 
 def pad_columns(values: torch.Tensor, width: int) -> torch.Tensor:

@@ -102,15 +102,25 @@ class ModelWorker(Worker):
         return self._move_states(self.device)
 
     def _move_states(self, device: torch.device) -> dict[str, float]:
-        from roll.strategies.fsdp import tensor_bytes
+        """The model's weights, buffers and gradients (and ``_offloaded_states``) to ``device``: into
+        reused host buffers (``roll.strategies.offload``) on the way out, back to the worker's device on
+        the way in."""
+        from roll.strategies.offload import HostBuffers
 
         start = time.perf_counter()
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        moved = tensor_bytes([t for t in (*tensors, *grads) if t.device != device])
-        if moved:
-            self.model.to(device)
+        if self.device.type == "cpu":
+            return {"bytes": 0.0, "seconds": 0.0}  # a CPU worker's state has nowhere else to go
+        if not hasattr(self, "_host_buffers"):
+            self._host_buffers = HostBuffers()
+        if device.type == "cpu":
+            moved = self._host_buffers.offload(self.model, self._offloaded_states())
+        else:
+            moved = self._host_buffers.reload(self.model, device)
         return {"bytes": float(moved), "seconds": time.perf_counter() - start}
+
+    def _offloaded_states(self) -> list[dict]:
+        """State dicts offloaded with the model (a trainer's optimizer state)."""
+        return []
 
     @register(Dispatch.DP_COMPUTE)
     def compute_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:

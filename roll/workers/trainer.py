@@ -9,7 +9,6 @@ import math
 import os
 import shutil
 import tempfile
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -345,21 +344,9 @@ class TrainerWorker(ModelWorker):
                 f"{self.role}: the weights hold NaN or infinity{where}; the checkpoint was not written"
             )
 
-    def _move_states(self, device: torch.device) -> dict[str, float]:
-        """The model (see ModelWorker) plus the optimizer's moments."""
-        from roll.strategies.fsdp import tensor_bytes
-
-        start = time.perf_counter()
-        moved = super()._move_states(device)["bytes"]
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.device != device:
-                    moved += tensor_bytes([value])
-                    state[key] = value.to(device, non_blocking=True)
-        if device.type == "cpu" and self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        return {"bytes": float(moved), "seconds": time.perf_counter() - start}
+    def _offloaded_states(self) -> list[dict]:
+        """The optimizer's moments go with the model (for Adam, twice the float32 weights)."""
+        return list(self.optimizer.state.values())
 
     @register(Dispatch.RANK_ZERO)
     def save_pretrained(self, path: str) -> str | None:

@@ -39,6 +39,7 @@ from roll.strategies.infer.adapter_merge import AdapterMerger
 from roll.strategies.infer.base import InferenceEngine, NamedTensors
 from roll.strategies.infer.kv_cache import SlotCache
 from roll.strategies.infer.prefix_store import DEFAULT_PREFIX_CACHE_TOKENS, PrefixStore, StoredPrefix
+from roll.strategies.offload import HostBuffers
 from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 from roll.strategies.sampling import sample_tokens
 
@@ -148,6 +149,7 @@ class HFEngine(InferenceEngine):
         self._finished_ready = threading.Condition(self._state_lock)
         self._queue: list[_Entry] = []
         self._released = False
+        self._host_buffers = HostBuffers()  # where the weights wait while a colocated trainer has the device
         self._closed = False
         self._model_waiters = 0  # callers waiting for the model lock; the decode loop yields to them
         self._weights_version = -1
@@ -342,9 +344,7 @@ class HFEngine(InferenceEngine):
             moved = 0 if already else _accelerator_bytes(self._model)
             self._prefixes.clear()
             if moved:
-                self._model.to("cpu")
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+                self._host_buffers.offload(self._model)
         return {"bytes": float(moved), "seconds": time.perf_counter() - start}
 
     def reacquire_memory(self) -> dict[str, float]:
@@ -355,7 +355,7 @@ class HFEngine(InferenceEngine):
                 was_released = self._released
             moved = 0
             if was_released and self._device.type != "cpu":
-                self._model.to(self._device)
+                self._host_buffers.reload(self._model, self._device)
                 moved = _accelerator_bytes(self._model)
             with self._state_lock:
                 self._released = False

@@ -1,0 +1,132 @@
+"""Padding-free forward passes: with a FlashAttention kernel a micro-batch's rows go through the model as one
+packed row (position ids restarting at each row), and every result equals the padded pass's. sdpa and eager
+take packed rows through a block-diagonal mask, which is how these tests check the packed path on a CPU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from in_process_actor import Actor, weights
+
+import roll.strategies.hf_forward as hf_forward
+from roll.data.batch import Batch
+from roll.models.loading import load_causal_lm, load_value_model
+from roll.strategies.hf_forward import packs_sequences, response_logprobs, response_values
+
+
+def ragged_batch(vocab: int) -> Batch:
+    """Left-padded prompts and right-padded responses of different lengths: a third of the padded grid is
+    padding."""
+    torch.manual_seed(0)
+    return Batch(
+        tensors={
+            "prompt_ids": torch.tensor([[0, 0, 5, 6, 7], [5, 6, 7, 8, 9], [0, 0, 0, 0, 9]]),
+            "prompt_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]]),
+            "response_ids": torch.randint(4, vocab, (3, 5)),
+            "response_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]]),
+        }
+    )
+
+
+def model_inputs(model: torch.nn.Module) -> list[dict]:
+    """What each forward of ``model`` receives (shapes, and whether a mask came)."""
+    seen: list[dict] = []
+
+    def record(module, args, kwargs) -> None:
+        seen.append(
+            {"ids": tuple(kwargs["input_ids"].shape), "mask": kwargs.get("attention_mask") is not None}
+        )
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    return seen
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_packed_logprobs_and_gradients_equal_the_padded_ones(tiny_model_path: str, kernel: str) -> None:
+    model = load_causal_lm(tiny_model_path, attn_implementation=kernel)
+    batch = ragged_batch(model.config.vocab_size)
+    seen = model_inputs(model)
+    results = {}
+    for packed in (False, True):
+        model.zero_grad()
+        found = hf_forward._response_outputs(model, batch, packed=packed)
+        logprobs = found.place(hf_forward.logprobs_from_logits(found.outputs, found.targets, 0.7))
+        entropy = found.place(hf_forward.entropy_from_logits(found.outputs, 0.7))
+        (logprobs.sum() + entropy.sum()).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        results[packed] = logprobs.detach(), entropy.detach(), grads
+    # Padded: 3 rows of 5 + 4 columns, with a mask. Packed: the 3 + 5 + 1 prompt and 2 + 1 + 3 response
+    # tokens that predict something (the last response token predicts nothing), in one row, no mask.
+    assert seen == [{"ids": (3, 9), "mask": True}, {"ids": (1, 9 + 9), "mask": False}]
+    (padded, padded_entropy, padded_grads), (packed, packed_entropy, packed_grads) = (
+        results[False],
+        results[True],
+    )
+    assert packed.shape == padded.shape == (3, 5) and (packed[batch["response_mask"] == 0] == 0).all()
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed_entropy, padded_entropy, atol=1e-5, rtol=1e-5)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4)
+
+
+def test_packed_values_equal_the_padded_ones(tiny_model_path: str) -> None:
+    model = load_value_model(tiny_model_path)
+    torch.nn.init.normal_(model.score.weight)  # a fresh head is all zeros
+    batch = ragged_batch(model.config.vocab_size)
+    with torch.no_grad():
+        padded = hf_forward._response_outputs(model, batch, packed=False)
+        packed = hf_forward._response_outputs(model, batch, packed=True)
+        padded_values = padded.place(padded.outputs[..., 0].float())
+        packed_values = packed.place(packed.outputs[..., 0].float())
+    assert packed.outputs.shape[:2] == (1, int(batch["response_mask"].sum()))
+    assert padded_values.abs().sum() > 0
+    torch.testing.assert_close(packed_values, padded_values, atol=1e-5, rtol=1e-5)
+
+
+def test_only_a_varlen_attention_kernel_packs() -> None:
+    def model_with(kernel: str) -> SimpleNamespace:
+        return SimpleNamespace(config=SimpleNamespace(_attn_implementation=kernel))
+
+    assert packs_sequences(model_with("flash_attention_2")) and packs_sequences(
+        model_with("flash_attention_3")
+    )
+    # sdpa and eager would attend through a mask as long as the whole pack: they stay padded.
+    assert not packs_sequences(model_with("sdpa")) and not packs_sequences(model_with("eager"))
+
+
+def test_a_packed_actor_trains_as_the_padded_one(
+    tiny_model_path: str, sft_batch: Batch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two SFT steps of the real actor, padded and packed (as it packs under FlashAttention): the same
+    losses and weights. Its logprobs for the old policy agree too."""
+    runs = {}
+    for packed in (False, True):
+        monkeypatch.setattr(hf_forward, "packs_sequences", lambda model, packed=packed: packed)
+        with Actor(tiny_model_path, "float32", lr=1e-2) as actor:
+            old = actor.compute_logprobs(sft_batch)["logprobs"]
+            losses = [actor.sft_step(sft_batch)["loss"] for _ in range(2)]
+            runs[packed] = old, losses, weights(actor)
+    (old, losses, after), (old_packed, losses_packed, after_packed) = runs[False], runs[True]
+    torch.testing.assert_close(old_packed, old, atol=1e-5, rtol=1e-5)
+    assert losses_packed == pytest.approx(losses, rel=1e-5)
+    assert losses[1] < losses[0]
+    for name, tensor in after.items():
+        torch.testing.assert_close(after_packed[name], tensor, atol=1e-5, rtol=1e-5)
+
+
+def test_response_logprobs_pack_on_their_own_under_a_packing_kernel(
+    tiny_model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = load_causal_lm(tiny_model_path)
+    batch = ragged_batch(model.config.vocab_size)
+    seen = model_inputs(model)
+    with torch.no_grad():
+        padded, _ = response_logprobs(model, batch)
+        monkeypatch.setattr(hf_forward, "packs_sequences", lambda model: True)
+        packed, _ = response_logprobs(model, batch)
+        values = response_values(model, batch)  # any model: the first logit as a "value"
+    assert [s["mask"] for s in seen] == [True, False, False]
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
+    assert values.shape == (3, 5)
