@@ -191,3 +191,20 @@ def test_an_episode_closed_while_its_failing_step_runs_is_not_brought_back() -> 
     finally:
         release.set()
         del ENVIRONMENTS._entries["cracking_lake"]
+
+
+def test_a_close_that_overtakes_its_reset_leaves_no_env_open() -> None:
+    """A scheduler shutting down closes episodes whose reset is still out, and the worker runs calls
+    concurrently, so the close may run first: the reset then closes its instance instead of keeping it.
+    Other episodes, and the same id's later reset, are unaffected."""
+    from roll.envs.pool import CLOSED_BEFORE_RESET, ERROR, EnvPool
+
+    pool = EnvPool("frozen_lake", {"size": 4})
+    pool.close(["early"])
+    first = pool.reset([("early", 1), ("other", 2)])
+    assert first[0].status == ERROR and first[0].error == CLOSED_BEFORE_RESET and not first[0].retried
+    assert first[1].status == "ok"
+    assert pool.live == 1 and pool.counters["errors"] == 0 and pool.counters["retries"] == 0
+    again = pool.reset([("early", 3)])  # remembered once only
+    assert again[0].status == "ok" and pool.live == 2
+    pool.shutdown()

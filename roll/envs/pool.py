@@ -11,6 +11,7 @@ group). A hung call's thread cannot be killed; it is abandoned and its instance 
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import threading
 from dataclasses import dataclass, field
@@ -21,6 +22,11 @@ from roll.envs.base import TextEnv, make_env
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
 # A step's env failed and, before its retry, its owner closed the episode (another call's close).
 CLOSED_WHILE_STEPPING = "the episode was closed while it stepped"
+# Its owner closed the episode before its reset ran (a scheduler shutting down with resets still out).
+CLOSED_BEFORE_RESET = "the episode was closed before its reset ran"
+# How many such closes are remembered (a close can also come for an episode whose reset failed, which
+# no reset will ever take off the list).
+_REMEMBERED_EARLY_CLOSES = 4096
 
 
 @dataclass
@@ -60,6 +66,9 @@ class EnvPool:
     ):
         self.name, self.options, self.step_timeout_s = name, dict(options or {}), step_timeout_s
         self._episodes: dict[str, _Episode] = {}
+        # Calls run concurrently, so a close can overtake its episode's reset; that reset then closes its
+        # instance at once instead of keeping it until the worker ends.
+        self._closed_before_reset: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._lock = threading.Lock()
         # Runs each episode's call (which waits on its own daemon thread for the env, see _call).
         self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"env-{name}")
@@ -80,6 +89,10 @@ class EnvPool:
         for episode_id in episode_ids:
             with self._lock:
                 episode = self._episodes.pop(episode_id, None)
+                if episode is None:
+                    self._closed_before_reset[episode_id] = None
+                    if len(self._closed_before_reset) > _REMEMBERED_EARLY_CLOSES:
+                        self._closed_before_reset.popitem(last=False)
             if episode is not None:
                 _quietly(episode.env.close)
 
@@ -102,6 +115,8 @@ class EnvPool:
         result, failure = self._fresh(episode_id, seed, [])
         if failure is None:
             return result
+        if failure[1] == CLOSED_BEFORE_RESET:
+            return EnvResult(episode_id, ERROR, error=CLOSED_BEFORE_RESET)  # no env failed: no retry
         self._count("retries")
         result, failure = self._fresh(episode_id, seed, [])
         return self._failed(episode_id, failure) if failure else _retried(result)
@@ -141,12 +156,16 @@ class EnvPool:
             return EnvResult(episode_id), (ERROR, f"{type(error).__name__}: {error}")
         with self._lock:
             old = self._episodes.get(episode_id)
-            closed = replacing and old is None
+            if replacing:
+                closed = CLOSED_WHILE_STEPPING if old is None else None
+            else:
+                closed = CLOSED_BEFORE_RESET if episode_id in self._closed_before_reset else None
+                self._closed_before_reset.pop(episode_id, None)
             if not closed:
                 self._episodes[episode_id] = _Episode(seed, env, list(replay))
         if closed:
             _close_in_background(env)
-            return EnvResult(episode_id), (ERROR, CLOSED_WHILE_STEPPING)
+            return EnvResult(episode_id), (ERROR, closed)
         if old is not None:
             _close_in_background(old.env)
         result, failure = self._call(episode_id, env.reset, seed)

@@ -229,8 +229,8 @@ class EpisodeScheduler:
                     self._close(group)
                 except Exception:  # noqa: BLE001 - a lost worker is the pipeline's to replace, not close's
                     self._live = [g for g in self._live if g is not group]
-            # No poll will take their calls' results now. Their close may overtake a call still out (on a
-            # worker that stays, an env left open until the worker ends); on a lost one it never runs.
+            # No poll will take their calls' results now. A close that overtakes its episode's reset on the
+            # worker makes that reset close its env (``EnvPool``); on a lost worker it never runs.
             if self._closing:
                 self.envs.close(sorted(self._closing))
                 self._closing.clear()
