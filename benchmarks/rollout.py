@@ -272,8 +272,8 @@ class BatchRollout:
         pass  # nothing runs between two next_batch calls
 
     def _assemble(self, groups: list[_Group]):
-        """The fields and layout of the scheduler's batches (``roll.rollout.scheduler.assemble_batch``)."""
-        from roll.rollout.scheduler import assemble_batch
+        """The fields and layout of the scheduler's batches (``roll.rollout.group_batch.assemble_batch``)."""
+        from roll.rollout.group_batch import assemble_batch
 
         return assemble_batch(groups, self.prompts, self.pad_id, self.params.max_new_tokens)
 

@@ -247,43 +247,58 @@ def play_greedily_with_transformers(model_dir: Path, seeds, max_turns: int, max_
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_session", "at_repo_root")
-def test_a_killed_environment_worker_is_replaced_without_losing_a_step(
+def test_a_killed_environment_worker_and_a_frozen_rollout_worker_are_replaced_without_losing_a_step(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """An environment worker killed before a step is replaced within that step: needs a running pipeline
-    with real environment workers to lose."""
+    """Synchronous episodes: the environment worker is killed before step 1 and the rollout worker frozen
+    (SIGSTOP) before step 2. Each is replaced within its step (the frozen one once the liveness bound finds
+    it) and the run completes: needs a running pipeline with real workers to lose."""
     import logging
 
     from roll.pipelines.agentic import AgenticPipeline
 
     out = tmp_path / "run"
     overrides = [*QUICK, f"output_dir={out}", "sft_warm_start=null", "eval.every_steps=0", "steps=3"]
+    overrides += ["ray.liveness_timeout_s=10", "ray.call_timeout_s=900"]  # see the asynchronous test below
     pipeline = AgenticPipeline(load_config(EXAMPLE, overrides))
+    killed, frozen_cluster = pipeline.role_set.live["environment"], pipeline.role_set.live["rollout"]
+    frozen = frozen_cluster.ping()[0]["pid"]
+    step = pipeline.step
+
+    def freeze_before(number: int) -> dict[str, float]:
+        if number == 2:
+            os.kill(frozen, signal.SIGSTOP)
+        return step(number)
+
+    pipeline.step = freeze_before
     try:
-        lost = pipeline.role_set.live["environment"]
-        (live,) = lost.ping()
-        os.kill(live["pid"], signal.SIGKILL)
+        os.kill(killed.ping()[0]["pid"], signal.SIGKILL)
         with caplog.at_level(logging.WARNING):
             pipeline._train()
-        assert pipeline.role_set.live["environment"] is not lost and pipeline.budget.restarts == 1
-        assert "replaced the environment workers" in caplog.text
+        assert pipeline.role_set.live["environment"] is not killed
+        assert pipeline.role_set.live["rollout"] is not frozen_cluster and pipeline.budget.restarts == 2
+        assert "replaced the environment workers" in caplog.text and "lost rollout rank 0" in caplog.text
+        assert "replaced the rollout workers" in caplog.text
     finally:
+        if process_state(frozen) not in ("gone", "Z"):
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                os.kill(frozen, sig)
         pipeline.shutdown()
     assert [row["step"] for row in metrics(out)] == [1, 2, 3]
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_session", "at_repo_root")
-def test_asynchronous_step_wise_episodes_recover_frozen_and_killed_workers_without_losing_a_step(
+def test_asynchronous_step_wise_episodes_recover_frozen_workers_without_losing_a_step(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Step-wise GiGPO with episodes playing on while the actor trains (rollout.async_generation_ratio=1)
-    and two mini-batches per step. The environment worker is frozen (SIGSTOP) before step 2 and a
-    rollout worker killed before step 3, while the background thread plays ahead: the frozen one is
-    found at the liveness bound and killed without being waited for, each is replaced, no step is lost,
+    and two mini-batches per step. The environment worker is frozen (SIGSTOP) before step 2 and the
+    rollout worker before step 3, while the background thread plays ahead: each frozen one is found at
+    the liveness bound and killed without being waited for, each is replaced, no step is lost,
     samples stay within the staleness bound, the off-policy correction is on, and the LR schedule
     (linear over 3 steps x 2 mini-batches) runs on as if nothing happened, whatever the turns per step.
-    A killed environment worker is test_a_killed_environment_worker_is_replaced_without_losing_a_step."""
+    A killed environment worker is the synchronous test's."""
     import logging
 
     from roll.pipelines.agentic import AgenticPipeline
@@ -299,36 +314,35 @@ def test_asynchronous_step_wise_episodes_recover_frozen_and_killed_workers_witho
     overrides += ["ray.liveness_timeout_s=10", "ray.call_timeout_s=900"]
     pipeline = AgenticPipeline(load_config(EXAMPLE, overrides))
     lost = {2: pipeline.role_set.live["environment"], 3: pipeline.role_set.live["rollout"]}
-    frozen = lost[2].ping()[0]["pid"]
+    frozen = {number: cluster.ping()[0]["pid"] for number, cluster in lost.items()}
     step = pipeline.step
 
-    def lose_before(number: int) -> dict[str, float]:
+    def freeze_before(number: int) -> dict[str, float]:
         # The background thread is playing this step's episodes ahead by now.
-        if number == 2:
-            os.kill(frozen, signal.SIGSTOP)
-        elif number == 3:
-            os.kill(lost[number].ping()[0]["pid"], signal.SIGKILL)
+        if number in frozen:
+            os.kill(frozen[number], signal.SIGSTOP)
         return step(number)
 
-    pipeline.step = lose_before
+    pipeline.step = freeze_before
     try:
         with caplog.at_level(logging.WARNING):
             pipeline._train()
         assert pipeline.role_set.live["environment"] is not lost[2]
         assert pipeline.role_set.live["rollout"] is not lost[3]
         assert pipeline.budget.restarts == 2
-        assert "lost environment rank 0" in caplog.text
+        assert "lost environment rank 0" in caplog.text and "lost rollout rank 0" in caplog.text
         assert "replaced the environment workers" in caplog.text
         assert "replaced the rollout workers" in caplog.text
         # Ended by Ray, never woken to be asked: gone (or dead, waiting to be reaped) while still stopped.
         deadline = time.monotonic() + 300  # only a failure waits this long
-        while process_state(frozen) not in ("gone", "Z"):
-            assert time.monotonic() < deadline, "the frozen environment worker was never ended"
+        while any(process_state(pid) not in ("gone", "Z") for pid in frozen.values()):
+            assert time.monotonic() < deadline, "a frozen worker was never ended"
             time.sleep(0.5)
     finally:
-        if process_state(frozen) not in ("gone", "Z"):  # the test failed: leave nothing stopped behind
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                os.kill(frozen, sig)
+        for pid in frozen.values():
+            if process_state(pid) not in ("gone", "Z"):  # the test failed: leave nothing stopped behind
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    os.kill(pid, sig)
         pipeline.shutdown()
     rows = metrics(out)
     assert [row["step"] for row in rows] == [1, 2, 3]

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +57,7 @@ from roll.rollout.env_clients import EnvClient
 from roll.rollout.episode import Episode, EpisodeBudget, StopReason
 from roll.rollout.episode_batch import trajectory_batch, turn_batch
 from roll.rollout.episode_metrics import episode_metrics
+from roll.rollout.group_scheduler import GroupScheduler
 from roll.rollout.tool_calls import ToolFailureMonitor
 from roll.strategies.requests import GenerateRequest, SamplingParams
 
@@ -112,7 +112,7 @@ class _Group:
         return min(versions, default=self.start_version)
 
 
-class EpisodeScheduler:
+class EpisodeScheduler(GroupScheduler):
     """Episodes of the training seeds, played through ``backend`` (generation) and ``envs``.
 
     Args:
@@ -127,6 +127,8 @@ class EpisodeScheduler:
         poll_s: how long one poll waits for turns to come back.
     """
 
+    thread_name = "episodes"
+
     def __init__(
         self,
         backend: RolloutBackend,
@@ -140,10 +142,10 @@ class EpisodeScheduler:
         poll_s: float = 0.05,
         clock: Callable[[], float] = time.perf_counter,
     ):
+        super().__init__()
         self.backend, self.envs, self.chat, self.spec = backend, envs, chat, spec
         self.params, self.seeds, self.pad_id = params, seeds, pad_id
         self.id_prefix, self.poll_s, self.clock = id_prefix, poll_s, clock
-        self.weights_version = 0
         self._next_group = 0
         self._requests: dict[str, tuple[_Group, str]] = {}  # request id -> (group, episode id)
         self._live: list[_Group] = []  # groups playing, in draw order
@@ -159,29 +161,8 @@ class EpisodeScheduler:
         self._counts: collections.Counter[str] = collections.Counter()
         self._env_seconds: list[float] = []
         self._tools = ToolFailureMonitor(spec.max_tool_failure_frac)
-        self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)
-        self._waiting = False  # a next_batch call wants a batch
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._closed = False
 
     # ----- the pipeline's calls ------------------------------------------------------------------------
-
-    def next_batch(self, step: int) -> tuple[Batch, dict[str, float]]:
-        """The next training batch (``groups_per_step`` complete groups) and its episode metrics."""
-        with self._lock:
-            self._waiting = True
-        try:
-            if self.spec.async_generation_ratio and self._thread is None:
-                self._thread = threading.Thread(target=self._pump_forever, name="episodes", daemon=True)
-                self._thread.start()
-            groups = self._until(self._take_batch)
-        finally:
-            with self._lock:
-                self._waiting = False
-        with self._lock:
-            return self._batch(groups)
 
     def play(self, seeds: Sequence[int], params: SamplingParams) -> list[Episode]:
         """One episode per seed (held-out evaluation), in seed order; an episode whose env failed is
@@ -192,12 +173,6 @@ class EpisodeScheduler:
             self._to_start += groups  # started by the pumping thread: it alone talks to the workers
         self._until(lambda: all(group.closed for group in groups) or None)
         return [next(iter(group.episodes.values())) for group in groups]
-
-    def set_weights_version(self, version: int) -> None:
-        """The rollout workers now hold weights ``version``: older in-flight work may become stale."""
-        with self._lock:
-            self.weights_version = version
-            self._changed.notify_all()
 
     def state_dict(self) -> dict[str, Any]:
         """The seed cursor; the seeds of groups drawn and not trained on are drawn again first (never a
@@ -218,11 +193,7 @@ class EpisodeScheduler:
         """Stop the background thread, abort every turn in flight and close the live episodes'
         environments, as far as the workers still answer (after a loss, or at shutdown, they may be gone
         or frozen): nothing here waits for a worker."""
-        with self._lock:
-            self._closed = True
-            self._changed.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self._stop_pumping()
         with self._lock:
             for group in list(self._live):
                 try:
@@ -236,31 +207,6 @@ class EpisodeScheduler:
                 self._closing.clear()
 
     # ----- pumping ---------------------------------------------------------------------------------------
-
-    def _until(self, ready: Callable[[], Any]) -> Any:
-        """Pump (or, asynchronously, wait for the pumping thread) until ``ready()`` returns a value."""
-        while True:
-            with self._changed:
-                if self._error is not None:
-                    # The worker's own error, not a wrapper: the pipeline recovers from a lost worker by
-                    # its type, and it names the role, rank and method already.
-                    raise self._error
-                value = ready()
-                if value is not None:
-                    return value
-                if self._thread is not None:
-                    self._changed.wait(1.0)
-                    continue
-            self._pump()
-
-    def _pump_forever(self) -> None:
-        try:
-            while not self._closed:
-                self._pump()
-        except BaseException as error:  # noqa: BLE001 - handed to the pipeline's next_batch
-            with self._lock:
-                self._error = error
-                self._changed.notify_all()
 
     def _pump(self) -> None:
         """One round: drop stale groups, draw the groups wanted, send the turns waiting, wait for turns
@@ -461,7 +407,7 @@ class EpisodeScheduler:
 
     def _is_stale(self, group: _Group) -> bool:
         ratio = self.spec.async_generation_ratio
-        return bool(ratio) and group.training and group.oldest_version() < self.weights_version - ratio
+        return bool(ratio) and group.training and group.oldest_version() < self.stale_before()
 
     def _drop_stale(self) -> None:
         """Abort the groups (playing or complete) holding tokens older than the staleness bound; their
@@ -508,6 +454,10 @@ class EpisodeScheduler:
         return first
 
     def _batch(self, groups: list[_Group]) -> tuple[Batch, dict[str, float]]:
+        with self._lock:
+            return self._episode_batch(groups)
+
+    def _episode_batch(self, groups: list[_Group]) -> tuple[Batch, dict[str, float]]:
         spec = self.spec
         rows = [(group, eid) for group in groups for eid in group.ended[: spec.group_size]]
         episodes = [group.episodes[eid] for group, eid in rows]

@@ -29,7 +29,6 @@ per-stage waits, filtered and aborted fractions, prompts used and staleness with
 from __future__ import annotations
 
 import collections
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,14 +39,16 @@ import torch
 from roll.algorithms.filters import GroupOutcome, rejecting_filter
 from roll.data.batch import Batch
 from roll.data.dataset import PromptIterator
-from roll.data.padding import left_pad, right_pad
 from roll.data.prompts import PromptSet
 from roll.rollout.backend import Events, RolloutBackend, Scored, ScoreJob
+from roll.rollout.group_batch import assemble_batch
+from roll.rollout.group_scheduler import GroupScheduler
 from roll.rollout.lifecycle import Sample, SampleState, stage_seconds
 from roll.rollout.load_balancer import LoadBalancer
+from roll.rollout.prompt_source import PromptSource
 from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 
-__all__ = ["PromptGroup", "RolloutScheduler", "SchedulerSpec", "assemble_batch"]
+__all__ = ["PromptGroup", "RolloutScheduler", "SchedulerSpec"]
 
 S = SampleState
 
@@ -101,7 +102,7 @@ class PromptGroup:
         return min(versions, default=self.submit_version)
 
 
-class RolloutScheduler:
+class RolloutScheduler(GroupScheduler):
     """Owns each sample's lifecycle and hands the pipeline full training batches.
 
     Args:
@@ -132,82 +133,41 @@ class RolloutScheduler:
         params_for: Callable[[dict], SamplingParams] | None = None,
         id_prefix: str = "",
     ):
-        self.backend, self.prompts, self.prompt_order = backend, prompts, prompt_order
+        super().__init__()
+        self.backend, self.prompts = backend, prompts
+        self.prompt_source = PromptSource(prompt_order, spec.prompt_budget)
         self.id_prefix = id_prefix
         self.spec, self.params, self.tokenizer = spec, params, tokenizer
         self.clock, self.poll_s = clock, poll_s
         self.params_for = params_for or (lambda row: params)
         self.pad_id = tokenizer.pad_token_id
         self.balancer = LoadBalancer(backend.num_workers)
-        self.weights_version = 0
-        self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)
-        self._prompt_queue: collections.deque[int] = collections.deque()  # drawn, not yet in a group
-        self._requeued = 0  # how many at the front of the queue came back from dropped groups
         self._groups: dict[int, PromptGroup] = {}  # live groups in draw order
         self._samples: dict[str, Sample] = {}  # live samples by request id
         self._unsent: collections.deque[int] = collections.deque()  # group ids waiting for a worker
         self._filtered: collections.deque[PromptGroup] = collections.deque(maxlen=spec.rollout_batch_size)
         self._scoring = 0  # responses at the reward workers, dropped ones included
         self._next_group_id = 0
-        self._waiting = False  # a next_batch call wants a batch
-        self._fresh_since_batch = 0
         self._counts: collections.Counter[str] = collections.Counter()
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self._closed = False
 
     # ----- the pipeline's calls ----------------------------------------------------------------------
-
-    def next_batch(self, step: int) -> tuple[Batch, dict[str, float]]:
-        """The next training batch (``rollout_batch_size`` groups) and its rollout metrics."""
-        with self._lock:
-            self._waiting = True
-            self._changed.notify_all()
-        try:
-            if self.spec.async_generation_ratio and self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._pump_forever, name="rollout-scheduler", daemon=True
-                )
-                self._thread.start()
-            groups = self._wait_for_batch()
-        finally:
-            with self._lock:
-                self._waiting = False
-        if not self.spec.async_generation_ratio:
-            self._drop_all_live()  # synchronous: nothing generates while the actor trains
-        with self._lock:
-            return self._assemble(groups), self._metrics(groups)
-
-    def set_weights_version(self, version: int) -> None:
-        """The rollout workers now hold weights ``version``: older in-flight work may become stale."""
-        with self._lock:
-            self.weights_version = version
-            self._changed.notify_all()
 
     def state_dict(self) -> dict[str, Any]:
         """The dataset cursor and the prompts drawn but not trained on (in flight, scored or queued), in
         order: a scheduler that loads it draws them again first, then continues the dataset."""
         with self._lock:
-            pending = [g.prompt_index for g in self._groups.values()] + list(self._prompt_queue)
-            return {"prompt_order": self.prompt_order.state_dict(), "pending_prompts": pending}
+            return self.prompt_source.state_dict([g.prompt_index for g in self._groups.values()])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self._lock:
-            if self._groups or self._prompt_queue:
+            if self._groups or self.prompt_source.started:
                 raise RuntimeError("load_state_dict must come before the scheduler draws any prompt")
-            self.prompt_order.load_state_dict(state["prompt_order"])
-            self._prompt_queue.extend(int(i) for i in state["pending_prompts"])
-            self._requeued = len(self._prompt_queue)
+            self.prompt_source.load_state_dict(state)
 
     def close(self) -> None:
         """Stop the background thread and abort every request in flight. A scheduler that takes over
         the same workers must first ``drain`` this one's backend."""
-        with self._lock:
-            self._closed = True
-            self._changed.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self._stop_pumping()
         try:
             self._drop_all_live(wait=False)
         except Exception:  # noqa: BLE001 - workers may already be gone at shutdown
@@ -215,41 +175,14 @@ class RolloutScheduler:
 
     # ----- pumping: draw, send, poll, react ------------------------------------------------------------
 
-    def _wait_for_batch(self) -> list[PromptGroup]:
-        if self.spec.async_generation_ratio:
-            with self._changed:
-                while True:
-                    if self._error is not None:
-                        # The worker's own error, not a wrapper: the pipeline recovers from a lost
-                        # worker by its type, and it names the role, rank and method already.
-                        raise self._error
-                    groups = self._take_batch()
-                    if groups is not None:
-                        return groups
-                    self._changed.wait(1.0)
-        while True:
-            with self._lock:
-                groups = self._take_batch()
-            if groups is not None:
-                return groups
-            self._pump(self.poll_s)
-
-    def _pump_forever(self) -> None:
-        try:
-            while not self._closed:
-                self._pump(self.poll_s)
-        except BaseException as error:  # noqa: BLE001 - handed to the pipeline's next_batch
-            with self._lock:
-                self._error = error
-                self._changed.notify_all()
-
-    def _pump(self, timeout_s: float) -> None:
-        """One round: drop stale work, draw and send what is wanted, wait for results, react to them."""
+    def _pump(self, timeout_s: float | None = None) -> None:
+        """One round: drop stale work, draw and send what is wanted, wait for results (up to ``poll_s``),
+        react to them."""
         with self._lock:
             self._drop_stale()
             self._draw()
             self._send()
-        events = self.backend.poll(timeout_s)
+        events = self.backend.poll(self.poll_s if timeout_s is None else timeout_s)
         with self._lock:
             self._react(events)
             self._changed.notify_all()
@@ -266,23 +199,11 @@ class RolloutScheduler:
             return
         unresolved = sum(1 for g in self._groups.values() if not g.resolved)
         while unresolved < missing + spec.additional_prompts:
-            index = self._next_prompt()
+            index = self.prompt_source.next()
             if index is None:
                 return
             self._new_group(index)
             unresolved += 1
-
-    def _next_prompt(self) -> int | None:
-        """The next prompt index: dropped groups' prompts first, then the dataset (within budget)."""
-        if self._requeued:
-            self._requeued -= 1
-            return self._prompt_queue.popleft()
-        if self._fresh_since_batch >= self.spec.prompt_budget:
-            return None
-        if not self._prompt_queue:
-            self._prompt_queue.extend(self.prompt_order.next_indices())
-        self._fresh_since_batch += 1
-        return self._prompt_queue.popleft()
 
     def _new_group(self, prompt_index: int) -> None:
         group_id = self._next_group_id
@@ -402,8 +323,7 @@ class RolloutScheduler:
             self._unsent.remove(group.group_id)
         self._forget(group)
         if requeue:
-            self._prompt_queue.appendleft(group.prompt_index)
-            self._requeued += 1
+            self.prompt_source.put_back(group.prompt_index)
 
     def _forget(self, group: PromptGroup) -> None:
         del self._groups[group.group_id]
@@ -412,8 +332,7 @@ class RolloutScheduler:
 
     def _is_stale(self, group: PromptGroup) -> bool:
         """Tokens (or, while unknown, the submission) older than the staleness bound allows."""
-        bound = self.weights_version - self.spec.async_generation_ratio
-        return group.worker is not None and group.oldest_version() < bound
+        return group.worker is not None and group.oldest_version() < self.stale_before()
 
     def _drop_stale(self) -> None:
         """Drop the stale groups (only the pumping thread calls the backend)."""
@@ -430,7 +349,7 @@ class RolloutScheduler:
             for group in reversed(list(self._groups.values())):
                 self._drop_group(group, requeue=True)
         while wait and (sum(self.balancer.in_flight()) or self._scoring):
-            self._pump(self.poll_s)
+            self._pump()
 
     # ----- the batch ----------------------------------------------------------------------------------
 
@@ -449,7 +368,7 @@ class RolloutScheduler:
             if len(taken) == size:
                 break
         if len(taken) < size:
-            if any(not g.resolved for g in self._groups.values()) or self._can_draw():
+            if any(not g.resolved for g in self._groups.values()) or self.prompt_source.can_draw():
                 return None
             fill = list(self._filtered)[-(size - len(taken)) :]
             if len(taken) + len(fill) < size:
@@ -464,17 +383,18 @@ class RolloutScheduler:
         self._filtered.clear()
         return sorted(taken, key=lambda g: g.group_id)
 
-    def _can_draw(self) -> bool:
-        return bool(self._requeued) or self._fresh_since_batch < self.spec.prompt_budget
-
-    def _assemble(self, groups: list[PromptGroup]) -> Batch:
-        return assemble_batch(groups, self.prompts, self.pad_id, self.params.max_new_tokens)
+    def _batch(self, groups: list[PromptGroup]) -> tuple[Batch, dict[str, float]]:
+        if not self.spec.async_generation_ratio:
+            self._drop_all_live()  # synchronous: nothing generates while the actor trains
+        with self._lock:
+            batch = assemble_batch(groups, self.prompts, self.pad_id, self.params.max_new_tokens)
+            return batch, self._metrics(groups)
 
     def _metrics(self, groups: list[PromptGroup]) -> dict[str, float]:
         """What this batch cost: prompts used, filtered and aborted shares, stage waits, staleness."""
         now = self.clock()
         counts, self._counts = self._counts, collections.Counter()
-        self._fresh_since_batch = 0
+        self.prompt_source.new_batch()
         samples = [s for g in groups for s in g.samples]
         stages: dict[str, list[float]] = collections.defaultdict(list)
         for sample in samples:
@@ -500,38 +420,3 @@ class RolloutScheduler:
             if key.startswith("filtered_by/"):
                 metrics[f"rollout/{key}"] = float(value)
         return metrics
-
-
-def assemble_batch(groups: list[PromptGroup], prompts: PromptSet, pad_id: int, max_new_tokens: int) -> Batch:
-    """The training batch of scored ``groups``: rows in group order, samples in order, responses
-    right-padded to the longest budget (at least ``max_new_tokens``) — the layout batch generation of the
-    same prompts gives."""
-    samples = [s for g in groups for s in g.samples]
-    prompt_index = [g.prompt_index for g in groups for _ in g.samples]
-    prompt_ids, prompt_mask = left_pad([prompts.token_ids[i] for i in prompt_index], pad_id)
-    results = [s.result for s in samples]
-    width = max(max_new_tokens, *(g.params.max_new_tokens for g in groups))
-    response_ids, response_mask = right_pad([r.token_ids for r in results], pad_id, width)
-    logprobs = torch.zeros(len(samples), width)
-    for row, result in enumerate(results):
-        logprobs[row, : len(result.logprobs)] = torch.tensor(result.logprobs)
-    return Batch(
-        tensors={
-            "prompt_ids": prompt_ids,
-            "prompt_mask": prompt_mask,
-            "response_ids": response_ids,
-            "response_mask": response_mask,
-            "rollout_logprobs": logprobs,
-            "group_index": torch.tensor([i for i, g in enumerate(groups) for _ in g.samples]),
-            "scores": torch.tensor([s.score for s in samples], dtype=torch.float32),
-        },
-        non_tensors={
-            "prompt_text": [prompts.texts[i] for i in prompt_index],
-            "sample": [prompts.rows[i] for i in prompt_index],
-            "response_text": [s.response_text for s in samples],
-            "finish_reason": [r.finish_reason for r in results],
-            "token_rewards": [s.token_rewards for s in samples],
-            "domain": [prompts.domain_of(i) for i in prompt_index],
-            "reward_info": [s.reward_info for s in samples],
-        },
-    )
