@@ -7,13 +7,14 @@ from typing import Any
 import torch
 
 from roll.strategies.fsdp import local_tensor
-from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
+from roll.workers.actor import ActorSpec, ActorWorker, CrossEntropySpec, OptimizerSpec
 from roll.workers.base import ModelSpec
 
 
 class Actor:
     """A context manager over one ActorWorker; its (one-rank) process group is torn down on exit, so the
-    next one can make its own. ``spec_changes`` set ActorSpec fields, ``model_changes`` ModelSpec ones."""
+    next one can make its own. It trains SFT's cross-entropy (``train_step`` on an SFT batch) unless
+    ``spec_changes`` (ActorSpec fields) say otherwise; ``model_changes`` set ModelSpec ones."""
 
     def __init__(
         self,
@@ -27,7 +28,7 @@ class Actor:
             model=ModelSpec(path=path, dtype=dtype, **(model_changes or {})),
             optimizer=OptimizerSpec(lr=lr, total_steps=10),
             micro_batch_size=4,
-            **spec_changes,
+            **{"loss": CrossEntropySpec(), **spec_changes},
         )
         self.worker = ActorWorker("actor", 0, 1, spec)
 

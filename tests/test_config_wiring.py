@@ -162,14 +162,14 @@ def test_every_policy_loss_option_reaches_the_actor(field: str) -> None:
     before = plan_of(cfg).actor
     setattr(cfg.algorithm, field, other_value(AlgorithmConfig, field, getattr(cfg.algorithm, field)))
     after = plan_of(cfg).actor
-    assert after.policy != before.policy, f"algorithm.{field} does not reach the actor: wire it or delete it"
+    assert after.loss != before.loss, f"algorithm.{field} does not reach the actor: wire it or delete it"
 
 
 def test_the_actor_receives_its_loss_options_and_no_pipeline_config() -> None:
     cfg = base_config()
     cfg.algorithm.policy_loss, cfg.algorithm.clip_ratio_high = "dual_clip", 0.28
     actor = plan_of(cfg).actor
-    assert actor.policy == PolicyLossSpec(policy_loss="dual_clip", clip_ratio_high=0.28, tis_cap=None)
+    assert actor.loss == PolicyLossSpec(policy_loss="dual_clip", clip_ratio_high=0.28, tis_cap=None)
     for spec_field in dataclasses.fields(actor):
         value = getattr(actor, spec_field.name)
         assert not isinstance(value, (AlgorithmConfig, RLVRConfig)), spec_field.name
@@ -177,15 +177,15 @@ def test_the_actor_receives_its_loss_options_and_no_pipeline_config() -> None:
 
 def test_the_off_policy_correction_resolves_by_the_rollout_mode() -> None:
     cfg = base_config()
-    assert plan_of(cfg).actor.policy.tis_cap is None  # synchronous: on-policy up to engine mismatch
+    assert plan_of(cfg).actor.loss.tis_cap is None  # synchronous: on-policy up to engine mismatch
     cfg.rollout.async_generation_ratio = 1
-    assert plan_of(cfg).actor.policy.tis_cap == 2.0  # auto: on, at the default cap
+    assert plan_of(cfg).actor.loss.tis_cap == 2.0  # auto: on, at the default cap
     cfg.algorithm.tis_cap = 3.0
-    assert plan_of(cfg).actor.policy.tis_cap == 3.0
+    assert plan_of(cfg).actor.loss.tis_cap == 3.0
     cfg.algorithm.off_policy_correction, cfg.algorithm.tis_cap = "none", None
-    assert plan_of(cfg).actor.policy.tis_cap is None
+    assert plan_of(cfg).actor.loss.tis_cap is None
     cfg.rollout.async_generation_ratio, cfg.algorithm.off_policy_correction = 0, "tis"
-    assert plan_of(cfg).actor.policy.tis_cap == 2.0
+    assert plan_of(cfg).actor.loss.tis_cap == 2.0
 
 
 def _credit(algo: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:

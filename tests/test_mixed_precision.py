@@ -32,7 +32,7 @@ def test_bf16_compute_keeps_float32_weights_and_a_tiny_step_moves_them(tiny_mode
         params = list(actor.model.parameters())
         assert all(is_sharded(p) and local_tensor(p).dtype == torch.float32 for p in params)
         before = weights(actor)
-        actor.sft_step(batch)
+        actor.train_step(batch)
         after = weights(actor)
         state_dtypes = {v.dtype for s in actor.optimizer.state.values() for v in s.values() if v.dim() > 0}
     assert state_dtypes == {torch.float32}  # AdamW's moments
@@ -66,13 +66,13 @@ def test_bf16_state_resumes_exactly_and_the_saved_model_is_bf16(tiny_model_path,
 
     with Actor(tiny_model_path, "bfloat16", lr=1e-2) as actor:
         for _ in range(2):
-            actor.sft_step(batch)
+            actor.train_step(batch)
         actor.save_state(str(tmp_path / "state"))
-        expected = [actor.sft_step(batch)["loss"] for _ in range(2)]
+        expected = [actor.train_step(batch)["loss"] for _ in range(2)]
         actor.save_pretrained(str(tmp_path / "model"))
     with Actor(tiny_model_path, "bfloat16", lr=1e-2) as actor:
         actor.load_state(str(tmp_path / "state"))
-        got = [actor.sft_step(batch)["loss"] for _ in range(2)]
+        got = [actor.train_step(batch)["loss"] for _ in range(2)]
     assert got == expected
 
     saved = FileSystemReader(str(tmp_path / "state" / "dcp")).read_metadata().state_dict_metadata

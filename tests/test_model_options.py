@@ -88,7 +88,7 @@ def test_gradient_checkpointing_keeps_less_and_changes_no_step(
         with Actor(tiny_model_path, dtype, lr=1e-2, gradient_checkpointing=checkpointing) as actor:
             assert actor.model.is_activation_checkpointing == checkpointing
             held = saved_activation_bytes(actor, sft_batch)
-            losses = [actor.sft_step(sft_batch)["loss"] for _ in range(2)]
+            losses = [actor.train_step(sft_batch)["loss"] for _ in range(2)]
             runs[checkpointing] = held, losses, weights(actor)
     (held, losses, after), (held_ckpt, losses_ckpt, after_ckpt) = runs[False], runs[True]
     assert held_ckpt < 0.7 * held, (held_ckpt, held)

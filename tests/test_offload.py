@@ -35,8 +35,8 @@ def test_offload_reuses_its_buffers_and_the_sharded_training_state_survives(
     DTensors: offloaded twice (the second time into the same buffers), training goes on exactly as
     without offload."""
     with Actor(tiny_model_path, "bfloat16", lr=1e-2) as actor:
-        actor.sft_step(sft_batch)
-        actor.sft_step(sft_batch)
+        actor.train_step(sft_batch)
+        actor.train_step(sft_batch)
         expected = weights(actor)
 
     buffers = offload.HostBuffers()
@@ -46,7 +46,7 @@ def test_offload_reuses_its_buffers_and_the_sharded_training_state_survives(
 
     monkeypatch.setattr(offload, "on_accelerator", on_accelerator)
     with Actor(tiny_model_path, "bfloat16", lr=1e-2) as actor:
-        actor.sft_step(sft_batch)
+        actor.train_step(sft_batch)
         params = list(dict.fromkeys(actor.model.parameters()))
         assert is_sharded(params[0])
         states = actor._offloaded_states()
@@ -66,7 +66,7 @@ def test_offload_reuses_its_buffers_and_the_sharded_training_state_survives(
         assert {b.data_ptr() for b in buffers._buffers} == held
 
         back_on_device(actor.model, states)
-        actor.sft_step(sft_batch)
+        actor.train_step(sft_batch)
         after = weights(actor)
     for name, tensor in expected.items():
         torch.testing.assert_close(after[name], tensor, atol=0, rtol=0)

@@ -106,7 +106,7 @@ def test_a_packed_actor_trains_as_the_padded_one(
         monkeypatch.setattr(hf_forward, "packs_sequences", lambda model, packed=packed: packed)
         with Actor(tiny_model_path, "float32", lr=1e-2) as actor:
             old = actor.compute_logprobs(sft_batch)["logprobs"]
-            losses = [actor.sft_step(sft_batch)["loss"] for _ in range(2)]
+            losses = [actor.train_step(sft_batch)["loss"] for _ in range(2)]
             runs[packed] = old, losses, weights(actor)
     (old, losses, after), (old_packed, losses_packed, after_packed) = runs[False], runs[True]
     torch.testing.assert_close(old_packed, old, atol=1e-5, rtol=1e-5)

@@ -25,7 +25,7 @@ class FakeTrainer:
     def train(self, step: int) -> None:
         if step == self.die_at_step:
             self.dead = True
-            raise WorkerError("actor", 0, "sft_step", "the worker died")
+            raise WorkerError("actor", 0, "train_step", "the worker died")
 
     def lost_ranks(self) -> list[int]:
         return [0] if self.dead else []

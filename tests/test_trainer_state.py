@@ -15,7 +15,7 @@ from roll.distributed.cluster import Cluster, WorkerError
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.worker import register
 from roll.pipelines.common import setup_trainer
-from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
+from roll.workers.actor import ActorSpec, ActorWorker, CrossEntropySpec, OptimizerSpec
 from roll.workers.base import ModelSpec
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -59,6 +59,7 @@ def start(tiny_model_path: str, world_size: int = 1, **changes: object) -> Clust
         model=ModelSpec(path=tiny_model_path),
         optimizer=OptimizerSpec(lr=1e-2, total_steps=10, warmup_steps=2, lr_scheduler="cosine"),
         micro_batch_size=4,
+        loss=CrossEntropySpec(),
     )
     actor = Cluster("actor", PoisonableActor, world_size, dataclasses.replace(spec, **changes))
     setup_trainer(actor)
@@ -76,11 +77,11 @@ def test_a_loaded_state_trains_on_exactly_like_the_saved_one(
     try:
         # The first step's loss is a fresh start's (same model, same batch): what a loaded state must
         # not give (a second fresh cluster took seconds to say the same).
-        first_fresh = actor.sft_step(batch)["loss"]
+        first_fresh = actor.train_step(batch)["loss"]
         for _ in range(2):
-            actor.sft_step(batch)
+            actor.train_step(batch)
         actor.save_state(str(tmp_path / "state"))
-        expected = [actor.sft_step(batch)["loss"] for _ in range(2)]
+        expected = [actor.train_step(batch)["loss"] for _ in range(2)]
     finally:
         actor.kill()
     assert sorted(p.name for p in (tmp_path / "state").iterdir()) == [
@@ -91,7 +92,7 @@ def test_a_loaded_state_trains_on_exactly_like_the_saved_one(
     try:
         fresh.load_state(str(tmp_path / "state"))
         assert fresh.lr_step() == [3] * world_size
-        got = [fresh.sft_step(batch)["loss"] for _ in range(2)]
+        got = [fresh.train_step(batch)["loss"] for _ in range(2)]
     finally:
         fresh.kill()
     assert got == pytest.approx(expected, abs=1e-6)
@@ -109,16 +110,16 @@ def test_nonfinite_gradients_skip_the_update_or_stop_and_nonfinite_weights_are_n
     try:
         before = actor.compute_logprobs(batch)["logprobs"]
         actor.poison_next_gradients()
-        skipped = actor.sft_step(batch)
+        skipped = actor.train_step(batch)
         assert skipped["skipped_frac"] == 1.0 and actor.lr_step() == [0]
         torch.testing.assert_close(actor.compute_logprobs(batch)["logprobs"], before, rtol=0, atol=0)
         actor.heal()
-        assert actor.sft_step(batch)["skipped_frac"] == 0.0 and actor.lr_step() == [1]
+        assert actor.train_step(batch)["skipped_frac"] == 0.0 and actor.lr_step() == [1]
 
         actor.set_nonfinite_grads("stop")
         actor.poison_next_gradients()
         with pytest.raises(WorkerError, match="gradient norm is nan.*actor.nonfinite_grads=skip"):
-            actor.sft_step(batch)
+            actor.train_step(batch)
 
         actor.poison_weights()
         with pytest.raises(WorkerError, match="NaN or infinity.*not written"):

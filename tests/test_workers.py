@@ -225,7 +225,7 @@ def test_two_rank_fsdp_training_equals_one_rank(tiny_model_path, prompts, tmp_pa
         actor = Cluster("actor", ActorWorker, world_size, spec)
         try:
             setup_trainer(actor)
-            losses = [actor.sft_step(batch)["loss"] for _ in range(3)]
+            losses = [actor.train_step(batch)["loss"] for _ in range(3)]
             if world_size > 1:
                 actor.save_pretrained(str(tmp_path / "saved"))
             return losses, actor.compute_logprobs(batch)["logprobs"]

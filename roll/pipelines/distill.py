@@ -53,7 +53,7 @@ class DistillPipeline(TrainerPipeline):
             train,
             model=from_section(ModelSpec, cfg.model, path=self.model_path, seed=cfg.seed),
             optimizer=from_section(OptimizerSpec, train, total_steps=train.steps),
-            distill=from_section(DistillLossSpec, cfg.distill),
+            loss=from_section(DistillLossSpec, cfg.distill),
             collective_timeout_s=cfg.ray.call_timeout_s,
         )
         set_activity("starting the student")
@@ -160,7 +160,7 @@ class DistillPipeline(TrainerPipeline):
         start = time.perf_counter()
         batch = self.batch(self.train_rows, self.order.next_indices())
         metrics = {
-            f"distill/{k}": v for k, v in self.actor.distill_step(batch.select_keys(STUDENT_FIELDS)).items()
+            f"distill/{k}": v for k, v in self.actor.train_step(batch.select_keys(STUDENT_FIELDS)).items()
         }
         metrics["distill/samples"] = len(batch)
         metrics["time/step_s"] = time.perf_counter() - start

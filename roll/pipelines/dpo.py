@@ -72,7 +72,7 @@ class DPOPipeline(TrainerPipeline):
             actor,
             model=model,
             optimizer=from_section(OptimizerSpec, actor, total_steps=cfg.steps),
-            preference=from_section(PreferenceLossSpec, cfg.dpo, losses=loss_weights(cfg.dpo)),
+            loss=from_section(PreferenceLossSpec, cfg.dpo, losses=loss_weights(cfg.dpo)),
             lora=lora_spec(actor.lora),
             collective_timeout_s=cfg.ray.call_timeout_s,
         )
@@ -124,7 +124,7 @@ class DPOPipeline(TrainerPipeline):
         indices = self.order.next_indices()
         batch = pair_batch(self.train_rows, indices, self.tokenizer.pad_token_id)
         batch = batch.union(self.reference_logps(batch, "train", indices))
-        metrics = self.actor.preference_step(batch.select_keys((*PAIR_FIELDS, *REFERENCE_FIELDS)))
+        metrics = self.actor.train_step(batch.select_keys((*PAIR_FIELDS, *REFERENCE_FIELDS)))
         out = {k if k.startswith(TRL_PREFIXES) else f"dpo/{k}": v for k, v in metrics.items()}
         out["dpo/samples"] = len(batch)
         out["time/step_s"] = time.perf_counter() - start

@@ -15,7 +15,7 @@ from roll.pipelines.preflight import RunInputs
 from roll.pipelines.trainer_pipeline import TrainerPipeline
 from roll.pipelines.worker_specs import from_section
 from roll.utils.signals import set_activity
-from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
+from roll.workers.actor import ActorSpec, ActorWorker, CrossEntropySpec, OptimizerSpec
 from roll.workers.base import ModelSpec
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ class SFTPipeline(TrainerPipeline):
             train,
             model=from_section(ModelSpec, config.model, path=self.model_path, seed=config.seed),
             optimizer=from_section(OptimizerSpec, train, total_steps=train.steps),
+            loss=CrossEntropySpec(),
             collective_timeout_s=config.ray.call_timeout_s,
         )
         set_activity(f"starting the {self.name} worker")
@@ -58,7 +59,7 @@ class SFTPipeline(TrainerPipeline):
     def step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
         batch = self.batch(self.order.next_indices())
-        metrics = {f"sft/{k}": v for k, v in self.actor.sft_step(batch).items()}
+        metrics = {f"sft/{k}": v for k, v in self.actor.train_step(batch).items()}
         metrics["sft/samples"] = len(batch)  # `roll plot --x samples` sums them
         metrics["time/step_s"] = time.perf_counter() - start
         return metrics

@@ -126,7 +126,7 @@ def plan_workers(cfg: RLVRConfig, model_path: str, rows_vary: bool = False) -> W
         ActorSpec,
         cfg.actor,
         model=model,
-        policy=from_section(PolicyLossSpec, cfg.algorithm, tis_cap=tis_cap(cfg)),
+        loss=from_section(PolicyLossSpec, cfg.algorithm, tis_cap=tis_cap(cfg)),
         temperature=rollout.temperature,
         lora=lora_spec(cfg.actor.lora),
         sync_dtype=cfg.model.inference(),

@@ -1,4 +1,5 @@
-"""Actor worker: the trained policy. PPO-style RL updates, SFT updates, logprobs, generation, export."""
+"""Actor worker: the trained policy. Updates with the loss its spec selects (RL, SFT, preference,
+distillation: ``roll.workers.actor_losses``), logprobs, weight transfer, export."""
 
 from __future__ import annotations
 
@@ -10,21 +11,29 @@ from typing import Any
 import torch
 
 from roll.data.batch import Batch
-from roll.data.masks import loss_mask
 from roll.distributed.collective import CollectiveGroup
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.shm_transfer import Endpoint, SegmentInfo, SharedWeights
 from roll.distributed.sync_probe import score_after_transfer
 from roll.distributed.weight_buckets import Bucket
 from roll.distributed.worker import register
-from roll.strategies.hf_forward import response_logprobs
 from roll.strategies.lora import ADAPTER, FULL, MERGED, LoraSpec, is_lora, outgoing_weights
+from roll.workers.actor_losses import (
+    CrossEntropySpec,
+    DistillLossSpec,
+    LossSpec,
+    PolicyLossSpec,
+    PreferenceLossSpec,
+    distill_terms,
+    loss_function,
+)
 from roll.workers.base import ModelSpec
 from roll.workers.trainer import OptimizerSpec, TrainerSpec, TrainerWorker
 
 __all__ = [
     "ActorSpec",
     "ActorWorker",
+    "CrossEntropySpec",
     "DistillLossSpec",
     "LoraSpec",
     "OptimizerSpec",
@@ -33,47 +42,11 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class PolicyLossSpec:
-    """What the actor's loss needs of the ``algorithm`` section; fields named as there (``from_section``).
-
-    ``tis_cap`` is resolved by the pipeline: the cap when the off-policy correction is on
-    (``roll.config.rlvr.off_policy_corrected``), None when it is off."""
-
-    policy_loss: str = "ppo_clip"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
-    tis_cap: float | None = None
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-
-
-@dataclass(frozen=True)
-class PreferenceLossSpec:
-    """The ``dpo`` section as the actor's preference loss reads it (``from_section``)."""
-
-    beta: float = 0.1
-    losses: dict[str, float] = field(default_factory=lambda: {"sigmoid": 1.0})
-    label_smoothing: float = 0.0
-
-
-@dataclass(frozen=True)
-class DistillLossSpec:
-    """The ``distill`` section as the student's loss reads it (``from_section``)."""
-
-    objective: str = "forward_kl"
-    beta: float = 0.5
-    tail: str = "extra_class"
-    ce_weight: float = 0.0
-
-
 @dataclass
 class ActorSpec(TrainerSpec):
-    policy: PolicyLossSpec = field(default_factory=PolicyLossSpec)
-    preference: PreferenceLossSpec = field(default_factory=PreferenceLossSpec)
-    distill: DistillLossSpec = field(default_factory=DistillLossSpec)
+    # What ``train_step`` minimises: the RL policy loss, SFT's cross-entropy, a preference or a distillation
+    # loss (``roll.workers.actor_losses``), each with its own options.
+    loss: LossSpec = field(default_factory=PolicyLossSpec)
     temperature: float = 1.0
     # Train a LoRA adapter on the frozen base instead of every weight (``actor.lora``); None: full.
     lora: LoraSpec | None = None
@@ -137,151 +110,34 @@ class ActorWorker(TrainerWorker):
         finally:
             self.model.train(was_training)
 
-    # ---------------------------------------------------------------- RL
+    # ---------------------------------------------------------------- training
     @register(Dispatch.DP_COMPUTE)
     def train_step(self, batch: Batch, kl_coef: float = 0.0) -> dict[str, float]:
-        """Policy updates (``ppo_epochs`` x mini-batches) on this rank's shard of the rollout batch.
-
-        Needs ``advantages`` [B, R]; uses ``old_logprobs`` when present, else the current logprobs
-        detached (exact when each batch gets a single optimizer step, and saves a forward pass);
-        ``ref_logprobs`` when ``kl_coef > 0`` (the KL loss term; the pipeline passes 0 when the KL is in
-        the reward instead); ``rollout_logprobs`` when the off-policy correction is on
-        (``policy.tis_cap``). Every term counts the tokens of ``loss_mask`` (``roll.data.masks``) only.
-        """
+        """Updates on this rank's shard of ``batch`` with the loss ``ActorSpec.loss`` selects: ``ppo_epochs``
+        passes of mini-batch updates (one optimizer step per batch unless RL sets more), every term counting
+        the tokens of ``loss_mask`` (``roll.data.masks``) only. ``kl_coef``: the RL loss's KL term weight for
+        this step (the pipeline adapts it; 0 when the KL is in the reward instead)."""
         spec: ActorSpec = self.config
-        loss_fn = functools.partial(self._policy_loss, kl_coef=kl_coef)
-        return self.update(batch, loss_fn, spec.policy.loss_agg_mode)
-
-    def _policy_loss(
-        self, micro: Batch, denominator: float, kl_coef: float
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Policy loss of one micro-batch (plus entropy bonus and KL penalty when configured)."""
-        from roll.algorithms import POLICY_LOSSES
-        from roll.algorithms.losses import entropy_loss, kl_penalty_loss, truncated_is_weights
-        from roll.utils.registry import accepted_kwargs
-
-        spec: ActorSpec = self.config
-        policy = spec.policy
-        mask = loss_mask(micro).float()
-        logprobs, entropy = response_logprobs(self.model, micro, spec.temperature, with_entropy=True)
-        old = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
-        advantages = micro["advantages"]
-        metrics: dict[str, float] = {}
-        if policy.tis_cap is not None:
-            weights, metrics = truncated_is_weights(old, micro["rollout_logprobs"], mask, policy.tis_cap)
-            advantages = advantages * weights
-        agg = {"loss_agg_mode": policy.loss_agg_mode, "denominator": denominator}
-        loss_fn = POLICY_LOSSES.get(policy.policy_loss)
-        params = {
-            "clip_ratio_low": policy.clip_ratio_low,
-            "clip_ratio_high": policy.clip_ratio_high,
-            "clip_ratio_c": policy.clip_ratio_c,
-        }
-        loss, loss_metrics = loss_fn(
-            logprobs, old, advantages, mask, **agg, **accepted_kwargs(loss_fn, params)
-        )
-        metrics.update(loss_metrics)
-        # Entropy is always reported; it only carries a gradient when it is part of the loss.
-        entropy_term = entropy_loss(entropy if policy.entropy_coef else entropy.detach(), mask, **agg)
-        if policy.entropy_coef:
-            loss = loss - policy.entropy_coef * entropy_term
-        if kl_coef:
-            kl = kl_penalty_loss(logprobs, micro["ref_logprobs"], mask, estimator=policy.kl_estimator, **agg)
-            loss = loss + kl_coef * kl
-            metrics["kl"] = kl.item()
-        return loss, {**metrics, "entropy": entropy_term.item(), "loss": loss.item()}
-
-    # ---------------------------------------------------------------- SFT
-    @register(Dispatch.DP_COMPUTE)
-    def sft_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step of token-mean cross-entropy on the trained response tokens (``loss_mask``)
-        of this rank's shard."""
-        return self.step_on(batch, self._cross_entropy, "token-mean")
-
-    def _cross_entropy(self, micro: Batch, denominator: float) -> tuple[torch.Tensor, dict[str, float]]:
-        logprobs, _ = response_logprobs(self.model, micro)
-        loss = -(logprobs * loss_mask(micro)).sum() / denominator
-        return loss, {"loss": loss.item()}
-
-    # ---------------------------------------------------------------- preference optimisation
-    @register(Dispatch.DP_COMPUTE)
-    def preference_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step of the preference loss (``preference``) on this rank's shard of a batch of
-        pairs, which carries the reference's ``ref_chosen_logps`` and ``ref_rejected_logps``. The loss is a
-        mean over the pairs of the whole batch (every rank's), so micro-batches and ranks add up to it."""
-        return self.step_on(batch, self._preference_loss, "seq-mean-token-sum")
-
-    def _preference_loss(self, micro: Batch, denominator: float) -> tuple[torch.Tensor, dict[str, float]]:
-        from roll.algorithms.preference import PairLogps, combined_preference_loss, preference_metrics
-        from roll.strategies.hf_forward import pair_logprobs
-
-        spec: PreferenceLossSpec = self.config.preference
-        chosen, rejected, chosen_tokens, rejected_tokens = pair_logprobs(self.model, micro)
-        logps = PairLogps(
-            policy_chosen=chosen,
-            policy_rejected=rejected,
-            reference_chosen=micro["ref_chosen_logps"].to(chosen.dtype),
-            reference_rejected=micro["ref_rejected_logps"].to(chosen.dtype),
-            chosen_tokens=chosen_tokens,
-            rejected_tokens=rejected_tokens,
-        )
-        per_pair, terms = combined_preference_loss(
-            logps, spec.losses, beta=spec.beta, label_smoothing=spec.label_smoothing
-        )
-        loss = per_pair.sum() / denominator
-        return loss, {**terms, **preference_metrics(logps, spec.beta), "loss": loss.item()}
-
-    # ---------------------------------------------------------------- distillation
-    @register(Dispatch.DP_COMPUTE)
-    def distill_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step of the distillation loss (``distill``) on this rank's shard of a batch whose
-        rows carry the teacher's ``teacher_indices`` and ``teacher_logprobs`` at each response position:
-        the divergence per trained token, token-mean, plus ``ce_weight`` x the cross-entropy."""
-        return self.step_on(batch, self._distill_loss, "token-mean")
-
-    def _distill_terms(self, micro: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per trained token [B, L]: the configured divergence, the forward KL to the teacher, the response
-        tokens' logprobs; and the loss mask cut to L."""
-        from roll.algorithms.distillation import DISTILL_OBJECTIVES, forward_kl, student_on_support
-        from roll.algorithms.functional import logprobs_from_logits
-        from roll.strategies.hf_forward import response_logits
-
-        spec: DistillLossSpec = self.config.distill
-        logits, response_ids, _ = response_logits(self.model, micro)
-        length = logits.shape[1]
-        # No float32 copy of the logits: the support and the logprobs upcast a chunk of positions at a time.
-        teacher = micro["teacher_logprobs"][:, :length].float()
-        student = student_on_support(logits, micro["teacher_indices"][:, :length].long(), spec.tail)
-        divergence = DISTILL_OBJECTIVES.get(spec.objective)(teacher, student, beta=spec.beta)
-        mask = loss_mask(micro)[:, :length].float()
-        # Zero where not trained: padding positions hold zeros, which are no distribution.
-        keep = mask.bool()
-        divergence = torch.where(keep, divergence, torch.zeros_like(divergence))
-        kl = torch.where(keep, forward_kl(teacher, student), torch.zeros_like(divergence))
-        return divergence, kl, logprobs_from_logits(logits, response_ids) * mask, mask
-
-    def _distill_loss(self, micro: Batch, denominator: float) -> tuple[torch.Tensor, dict[str, float]]:
-        spec: DistillLossSpec = self.config.distill
-        divergence, kl, logprobs, _ = self._distill_terms(micro)
-        divergence_term = divergence.sum() / denominator
-        cross_entropy = -logprobs.sum() / denominator
-        loss = divergence_term + spec.ce_weight * cross_entropy if spec.ce_weight else divergence_term
-        return loss, {
-            "divergence": divergence_term.item(),
-            "cross_entropy": cross_entropy.item(),
-            "teacher_kl": (kl.sum() / denominator).item(),
-            "loss": loss.item(),
-        }
+        options: dict[str, Any] = {"spec": spec.loss}
+        if isinstance(spec.loss, PolicyLossSpec):
+            options.update(temperature=spec.temperature, kl_coef=kl_coef)
+        elif kl_coef:
+            raise ValueError(
+                f"kl_coef is a policy loss's option; this actor trains {type(spec.loss).__name__}"
+            )
+        loss_fn = functools.partial(loss_function(spec.loss), self.model, **options)
+        return self.update(batch, loss_fn, spec.loss.loss_agg_mode)
 
     @register(Dispatch.DP_COMPUTE)
     def teacher_divergence(self, batch: Batch) -> Batch:
-        """Held-out: per row, the summed forward KL from the teacher (``teacher_kl_sum``) and the
-        cross-entropy (``nll_sum``) over the trained tokens, and their count (``tokens``); no gradient."""
+        """Held-out, for a distillation student: per row, the summed forward KL from the teacher
+        (``teacher_kl_sum``) and the cross-entropy (``nll_sum``) over the trained tokens, and their count
+        (``tokens``); no gradient."""
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
-                _, kl, logprobs, mask = self._distill_terms(batch.to(self.device))
+                _, kl, logprobs, mask = distill_terms(self.model, batch.to(self.device), self.config.loss)
         finally:
             self.model.train(was_training)
         return Batch(
