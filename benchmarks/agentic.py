@@ -452,7 +452,7 @@ def run_modes(pipeline, args: argparse.Namespace) -> list[ModeResult]:
         """``steps`` steps of ``mode``'s loop on ``seeds``; then its scheduler closed and drained."""
         nonlocal step
         backend = RayBackend(RolloutRouter(pipeline.rollout), pipeline.reward_dispatch())
-        envs = RayEnvs(pipeline._live("environment"))
+        envs = RayEnvs(pipeline.role_set.get("environment"))
         if mode == "lockstep":
             scheduler = BatchEpisodes(backend, envs, chat, spec, params, seeds, pad_id, id_prefix)
         else:

@@ -122,8 +122,7 @@ def test_every_lora_option_reaches_the_actor(field):
 
 @pytest.mark.usefixtures("at_repo_root")
 def test_the_run_starts_no_reference_workers_with_lora():
-    from roll.pipelines.policy import reference_workers
-    from roll.pipelines.worker_specs import plan_workers
+    from roll.pipelines.worker_specs import plan_workers, reference_workers
 
     config = load_config("examples/quickstart_lora.yaml", ["algorithm.kl_coef=0.01"])
     assert not reference_workers(config)

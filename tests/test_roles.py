@@ -64,3 +64,52 @@ def test_no_standbys_unless_asked() -> None:
     roles.start()
     first = roles.get("reward")
     assert roles.replace("reward") is not first and first.killed
+
+
+class Done:
+    def get(self) -> None:
+        return None
+
+
+class ModelCluster(FakeCluster):
+    """A fake cluster that loads a model: it sets up, offloads and reloads (3 bytes, in 0.5 s and 0.25 s)."""
+
+    def __init__(self, role: Role):
+        super().__init__(role)
+        self.world_size, self.log = role.world_size, []
+
+    def master_address(self) -> tuple[str, int]:  # a trainer's ranks agree on rank 0's before setup
+        return "127.0.0.1", 29500
+
+    def setup(self, blocking: bool = True, **rendezvous: object) -> Done:
+        self.log.append("setup")
+        return Done()
+
+    def offload_states(self) -> list[dict[str, float]]:
+        self.log.append("offload")
+        return [{"bytes": 3.0, "seconds": 0.5}]
+
+    def reload_states(self) -> list[dict[str, float]]:
+        self.log.append("reload")
+        return [{"bytes": 3.0, "seconds": 0.25}]
+
+
+def test_colocated_roles_take_turns_and_each_stage_sums_what_moved() -> None:
+    from roll.distributed.device_mapping import role_devices
+
+    roles = RoleSet(ROLES, ModelCluster)
+    roles.devices = {"actor": role_devices("actor", [0, 1]), "rollout": role_devices("rollout", [1])}
+    roles.set_up(roles.start())
+    actor, rollout, reward = (roles.get(name) for name in ("actor", "rollout", "reward"))
+    # Loaded one after the other, the first offloaded before the next loads; the reward worker at once.
+    assert actor.log == ["setup", "offload"] and rollout.log == ["setup"] and reward.log == ["setup"]
+    metrics = {"offload/actor_bytes": 1.0}
+    with roles.on_device("actor", metrics=metrics):
+        assert rollout.log[-1] == "offload" and actor.log[-1] == "reload"
+    assert metrics == {"offload/actor_bytes": 4.0, "offload/rollout_bytes": 3.0, "time/offload_s": 0.75}
+    with roles.on_device("actor", metrics=metrics):  # already resident: nothing moves
+        pass
+    assert metrics["time/offload_s"] == 0.75
+    renewed = roles.renew("rollout")  # a lost one's replacement takes its turns on the devices
+    assert rollout.killed and renewed.log == ["setup"] and roles.colocation.clusters["rollout"] is renewed
+    assert list(roles.clusters()) == ["actor", "rollout", "reward"]

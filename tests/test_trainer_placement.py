@@ -1,6 +1,6 @@
 """A one-trainer pipeline's ranks run on the devices its config names (logical GPUs of the session's Ray)
 and give them back when it ends. SFT here; DPO (with its reference worker) and offline distillation (with
-its teacher) place their ranks through the same ``place_trainer``, and their configs' checks are in
+its teacher) place their ranks the same way (``TrainerPipeline``), and their configs' checks are in
 test_dpo and test_distill."""
 
 from __future__ import annotations

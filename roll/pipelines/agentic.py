@@ -98,7 +98,7 @@ class AgenticPipeline(PolicyPipeline):
             # Step-wise batches are padded to this many rows: the actor's ranks, then its mini-batches.
             divisor=cfg.actor.world_size * mini_batches_per_epoch(cfg.actor, episodes_per_step(cfg)),
         )
-        envs = RayEnvs(self._live("environment"))
+        envs = RayEnvs(self.role_set.get("environment"))
         pad_id = self.tokenizer.pad_token_id
         return EpisodeScheduler(
             backend, envs, self.chat(), spec, self.plan.sampling, self.seed_order, pad_id, id_prefix
@@ -108,11 +108,11 @@ class AgenticPipeline(PolicyPipeline):
         """One greedy and one sampled episode on each held-out seed: ``eval/greedy/*``,
         ``eval/sampled/*`` (success, return, turns, invalid actions, stop reasons); ``eval/score`` is the
         success rate ``eval.score`` names."""
-        self.colocation.use(self.generator_role)
-        seeds = held_out_seeds(self.config.eval.seeds)
-        metrics: dict[str, float] = {}
-        for mode, params in (("greedy", self.plan.sampling.as_greedy()), ("sampled", self.plan.sampling)):
-            metrics.update(episode_metrics(self.scheduler.play(seeds, params), f"eval/{mode}"))
+        with self.role_set.on_device(self.generator_role):
+            seeds = held_out_seeds(self.config.eval.seeds)
+            metrics: dict[str, float] = {}
+            for mode, params in (("greedy", self.plan.sampling.as_greedy()), ("sampled", self.plan.sampling)):
+                metrics.update(episode_metrics(self.scheduler.play(seeds, params), f"eval/{mode}"))
         metrics["eval/score"] = metrics[f"eval/{self.config.eval.score}/success"]
         return metrics
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,7 +22,7 @@ from roll.strategies.requests import SamplingParams
 from roll.tracking import Tracker, read_tracker_state
 
 if TYPE_CHECKING:
-    from roll.distributed.placement import DeviceTable, RankPlacement
+    from roll.distributed.placement import DeviceTable
 
 
 def init_ray(cfg: RayConfig) -> None:
@@ -54,25 +54,21 @@ def prepare_model(model: ModelConfig, output_dir: str) -> str:
     return str(save_tiny_model(model.tiny, Path(output_dir) / TINY_MODEL_DIR))
 
 
-def place_trainer(
-    role: RoleDevices, timeout_s: float
-) -> tuple[DeviceTable | None, list[RankPlacement] | None]:
-    """The devices of a pipeline that trains one model (SFT, DPO, offline distillation): the cluster's
-    device table, reserved until the run removes it, and one placement per rank of ``role`` (its reference
-    or teacher takes the same ones); ``(None, None)`` for CPU ranks. A mapping beyond the cluster's
-    devices is a ConfigError, before any model loads."""
+def reserve_devices(roles: Sequence[RoleDevices], timeout_s: float) -> DeviceTable | None:
+    """The cluster's device table, reserved until the run removes it; None when no role has a device
+    mapping (CPU ranks). A mapping beyond the cluster's devices is a ConfigError, before any model loads."""
     from roll.config.loader import ConfigError
     from roll.distributed.device_mapping import validate_plan
-    from roll.distributed.placement import DeviceTable, place_role
+    from roll.distributed.placement import DeviceTable
 
-    if role.device_mapping is None:
-        return None, None
+    if all(role.device_mapping is None for role in roles):
+        return None
     table = DeviceTable.create(timeout_s=timeout_s)
-    problems = validate_plan([role], table.num_devices)
+    problems = validate_plan(list(roles), table.num_devices)
     if problems:
         table.remove()
         raise ConfigError("invalid device mapping:\n" + "\n".join(f"  - {p}" for p in problems))
-    return table, place_role(role, table)
+    return table
 
 
 def setup_trainer(actor: Cluster, blocking: bool = True) -> Any:

@@ -1,6 +1,6 @@
-"""The skeleton of every pipeline that trains a policy on its own samples (RLVR, agentic): its roles, the
-RL step, restarts and shutdown. The weights and their version travel through a ``WeightPublisher``
-(``weight_publisher.py``); lost stateless workers are replaced by a ``Supervisor`` (``supervisor.py``).
+"""The RL step of every pipeline that trains a policy on its own samples (RLVR, agentic). Its roles, their
+devices and turns on shared devices are a ``RoleSet``'s (``roles.py``), lost workers a ``Supervisor``'s
+(``supervisor.py``), the weights and their version a ``WeightPublisher``'s (``weight_publisher.py``).
 
 A pipeline on it gives what differs: the inputs it reads (``take_inputs``), its warm start, the roles
 beside actor, critic, rollout and reference (``extra_roles``), the scheduler that turns the rollout
@@ -14,12 +14,11 @@ step itself reads like the algorithm:
 from __future__ import annotations
 
 import abc
-import dataclasses
-import functools
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -31,18 +30,12 @@ from roll.config.rlvr import off_policy_note
 from roll.data.batch import Batch
 from roll.data.masks import loss_mask
 from roll.distributed.cluster import Cluster, WorkerError
-from roll.distributed.colocation import Colocation
-from roll.distributed.device_mapping import colocation_groups, is_colocated, validate_plan
-from roll.distributed.liveness import Liveness
-from roll.distributed.placement import DeviceTable, RankPlacement, place_role
-from roll.distributed.sync_probe import SyncProbe, probe_sequences
 from roll.distributed.weight_sync import WeightSync, WeightSyncError
 from roll.pipelines.common import (
     StageTimer,
     example_samples,
     init_ray,
     prepare_model,
-    setup_trainer,
     write_resolved_config,
 )
 from roll.pipelines.credit import (
@@ -54,23 +47,20 @@ from roll.pipelines.credit import (
     shaping_enabled,
     token_level_rewards,
 )
-from roll.pipelines.onpolicy_distill import distill_advantages, onpolicy_teachers, row_teachers, teacher_role
+from roll.pipelines.onpolicy_distill import distill_advantages, row_teachers, teacher_role
 from roll.pipelines.preflight import RunInputs, preflight
 from roll.pipelines.recovery import RestartBudget
-from roll.pipelines.roles import Role, RoleSet
+from roll.pipelines.roles import Role, RoleSet, cluster_options
 from roll.pipelines.run_dir import RunDirectory
 from roll.pipelines.run_loop import RunLoop
+from roll.pipelines.sft import sft_warm_start, warm_started_model
 from roll.pipelines.supervisor import Supervisor
-from roll.pipelines.weight_publisher import WeightPublisher
-from roll.pipelines.worker_specs import device_roles, plan_workers, updates_per_step
+from roll.pipelines.weight_publisher import WeightPublisher, rollout_transfer
+from roll.pipelines.worker_specs import device_roles, plan_workers, policy_roles, updates_per_step
 from roll.rollout.backend import BatchBackend, RayBackend, RewardDispatch, RolloutBackend
 from roll.rollout.router import RolloutRouter
 from roll.tracking import Tracker
 from roll.utils.signals import set_activity
-from roll.workers.actor import ActorWorker
-from roll.workers.critic import CriticWorker
-from roll.workers.reference import ReferenceSpec, ReferenceWorker
-from roll.workers.rollout import RolloutWorker
 
 
 class PolicyPipeline(RunLoop):
@@ -93,19 +83,27 @@ class PolicyPipeline(RunLoop):
         if problems:
             raise ConfigError("\n".join(problems))
         self.config = config
-        self.device_table: DeviceTable | None = None
-        self.role_set: RoleSet | None = None  # the live clusters (and standbys) of the run's roles
+        # The run's roles: their devices, live clusters (and standbys) and turns on shared devices.
+        self.role_set = RoleSet({}, standby=config.checkpoint.standby_workers, **cluster_options(config))
         self.scheduler: Any = None
         # The one count of the weights version the rollout workers hold; the scheduler is told each one.
         self.publisher = WeightPublisher(
             on_version=lambda version: self.scheduler.set_weights_version(version),
-            before_sync=lambda: self.colocation.use("actor", "rollout"),
+            before_sync=lambda: self.role_set.colocation.use("actor", "rollout"),
         )
         self.run_dir: RunDirectory | None = None
         inputs = inputs or preflight(config)
         self.tokenizer = inputs.tokenizer
         self.take_inputs(inputs)
         self.budget = RestartBudget(config.checkpoint.max_restarts)
+        self.supervisor = Supervisor(
+            self.role_set,
+            self.budget,
+            self.publisher,
+            self._weight_sync,
+            self.scheduler_roles,
+            self._rebuilt_scheduler,
+        )
         self._schedulers_made = 0
         self._draining: RolloutBackend | None = None  # a closed scheduler's backend, see _close_scheduler
         try:
@@ -113,13 +111,14 @@ class PolicyPipeline(RunLoop):
             # Ray and the devices of a joined cluster come before anything is written: an impossible
             # mapping fails here, not after the SFT warm start.
             init_ray(config.ray)
-            self.placements = self._place_roles()
+            self.role_set.place(device_roles(config), config.ray.call_timeout_s)
             write_resolved_config(config, config.output_dir)
             self.model_path = prepare_model(config.model, config.output_dir)
-            if config.sft_warm_start is not None:
-                resumed = self.run_dir.resume_from is not None
-                self.model_path = self._warm_started_model() if resumed else self.warm_start(inputs)
-            self._start_clusters(self.placements)
+            if config.sft_warm_start is not None and self.run_dir.resume_from is not None:
+                self.model_path = warm_started_model(config.output_dir)  # its checkpoints go on from it
+            elif config.sft_warm_start is not None:
+                self.model_path = self.warm_start(inputs)
+            self._start_workers()
             self.role_set.fill_standby()
         except BaseException:
             self.shutdown()  # whatever started before the failure (or a stop signal) is released
@@ -152,44 +151,15 @@ class PolicyPipeline(RunLoop):
         return {}
 
     def run_sft(self, inputs: RunInputs, train: Any, **sections: Any) -> str:
-        """SFT as its own pipeline, part of this run: from the model RL starts with, into
-        ``<output_dir>/sft``, with no checkpoints of its own (a resumed run skips it: its checkpoints are
-        the RL ones). ``sections``: the SFT config's other sections (data, eval, reward). Returns the
-        fine-tuned model's path."""
-        from roll.config.sft import SFTConfig
-        from roll.pipelines.sft import SFTPipeline
+        """SFT before RL on the actor's devices (``sft.sft_warm_start``); returns the fine-tuned model."""
+        placements = self.role_set.placements("actor")
+        return sft_warm_start(self.config, self.model_path, placements, inputs, train, **sections)
 
-        cfg = self.config
-        sft_config = SFTConfig(
-            run_name=f"{cfg.run_name}-sft",
-            output_dir=str(Path(cfg.output_dir) / "sft"),
-            seed=cfg.seed,
-            imports=cfg.imports,
-            model=dataclasses.replace(cfg.model, path=self.model_path, tiny=None),
-            train=train,
-            checkpoint=dataclasses.replace(
-                cfg.checkpoint, every_steps=0, max_restarts=0, standby_workers=False
-            ),
-            tracking=cfg.tracking,
-            ray=cfg.ray,
-            **sections,
-        )
-        # On the actor's devices (placed by this run's device table), with the actor's ranks.
-        placements = self.placements("actor")
-        warm = SFTPipeline(sft_config, inputs, "SFT warm-start", overwrite=True, placements=placements)
-        return warm.run()
+    # ----- starting the workers -----------------------------------------------------------------------
 
-    # ----- starting the roles --------------------------------------------------------------------------
-
-    def _warm_started_model(self) -> str:
-        """The warm start's model, saved by the run being resumed: RL goes on from the checkpoint and
-        the reference model is this one, as before."""
-        path = Path(self.config.output_dir) / "sft" / "model"
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"the run being resumed has no SFT warm-start model at {path}")
-        return str(path)
-
-    def _start_clusters(self, placements: Callable[[str], list[RankPlacement] | None]) -> None:
+    def _start_workers(self) -> None:
+        """The roles of the config's plan started and set up (but those still running: stateless workers
+        that outlived a lost trainer), then the scheduler and the weight transfer."""
         cfg = self.config
         set_activity("starting the workers")
         self.before_start()
@@ -203,35 +173,12 @@ class PolicyPipeline(RunLoop):
             algo.kl_coef > 0 and algo.kl_penalty == "reward"
         )
         self.kl_coef = algo.kl_coef  # moves each step when algorithm.kl_target is set
-        roles = self._declare_roles()
-        if self.role_set is None:
-            self.role_set = RoleSet(roles, self._make, standby=cfg.checkpoint.standby_workers)
-            self.supervisor = Supervisor(
-                self.role_set,
-                self.budget,
-                lambda: self.colocation,
-                self.scheduler_roles,
-                self._replace_rollout_side,
-            )
-        self.role_set.roles = roles
-        # Roles already running (workers that outlived a lost trainer) are kept.
+        self.role_set.roles = policy_roles(cfg, plan, self.extra_roles())
         started = self.role_set.start()
         if "rollout" in started:
             self.publisher.reset()
-        self.generator, self.generator_role = (
-            (self.actor, "actor") if plan.hybrid_engine else (self.rollout, "rollout")
-        )
-        clusters = {name: c for name, c in self.clusters().items() if roles[name].loads_model}
-        self.colocation = Colocation(clusters, colocation_groups(self.role_devices.values()))
-        setups = {}
-        for name in started:
-            cluster = self.role_set.live[name]
-            setup = functools.partial(setup_trainer, cluster) if roles[name].trainer else cluster.setup
-            if name in clusters:
-                setups[name] = functools.partial(setup, blocking=False)
-            else:  # workers that load no model start at once, outside the devices' turns
-                setup()
-        self.colocation.start(setups)
+        self.generator_role = "actor" if plan.hybrid_engine else "rollout"
+        self.role_set.set_up(started)
         self.scheduler = self._new_scheduler()
         if self.rollout is not None:
             self.publisher.connect(self._weight_sync())
@@ -239,51 +186,9 @@ class PolicyPipeline(RunLoop):
     def before_start(self) -> None:  # noqa: B027 - optional hook
         """Before the workers start (and start again after a restart)."""
 
-    def _declare_roles(self) -> dict[str, Role]:
-        """The run's roles: the actor; rollout workers unless the actor generates (hybrid engine); a
-        reference only with a KL term and no LoRA (the initial policy, on the actor's devices; with LoRA
-        the actor's base weights are that policy); a critic only when configured; then the pipeline's
-        own."""
-        cfg, plan = self.config, self.plan
-        roles = {"actor": Role("actor", ActorWorker, cfg.actor.world_size, plan.actor, trainer=True)}
-        if plan.critic is not None:
-            roles["critic"] = Role("critic", CriticWorker, cfg.critic.world_size, plan.critic, trainer=True)
-        if not plan.hybrid_engine:
-            roles["rollout"] = Role(
-                "rollout", RolloutWorker, cfg.rollout.world_size, plan.rollout, replaceable=True
-            )
-        roles.update(self.extra_roles())
-        for name, teacher in onpolicy_teachers(cfg).items():
-            role = teacher_role(name)
-            model = dataclasses.replace(plan.rollout.model, path=teacher.model_path)  # inference dtype
-            spec = ReferenceSpec(model)
-            roles[role] = Role(role, ReferenceWorker, teacher.world_size, spec, replaceable=True)
-        if reference_workers(cfg):
-            holder = ReferenceSpec(plan.actor.model)
-            roles["reference"] = Role(
-                "reference", ReferenceWorker, cfg.actor.world_size, holder, replaceable=True
-            )
-        return roles
-
-    def _make(self, role: Role) -> Cluster:
-        """A started cluster of ``role``, its ranks placed on the role's devices."""
-        cfg = self.config
-        placements = self.placements(role.name) if role.name in self.role_devices else None
-        return Cluster(
-            role.name,
-            role.worker,
-            role.world_size,
-            role.spec,
-            timeout_s=cfg.ray.call_timeout_s,
-            plugins=cfg.imports,
-            liveness=Liveness.from_config(cfg.ray),
-            placements=placements,
-        )
-
     def _close_scheduler(self, keeps_rollout: bool) -> None:
-        """Close the scheduler. When its rollout workers stay for the next one, its calls still open on
-        them are drained before the next one starts (``_new_scheduler``), so none takes results meant
-        for it; meanwhile the replacement workers start."""
+        """Close the scheduler. Its calls still open on rollout workers that stay for the next one are
+        drained before that one starts (``_new_scheduler``), so none takes results meant for it."""
         self.scheduler.close()
         self._draining = self.scheduler.backend if keeps_rollout else None
         self.scheduler = None
@@ -303,42 +208,19 @@ class PolicyPipeline(RunLoop):
         scheduler.set_weights_version(self.publisher.version)
         return scheduler
 
+    @contextlib.contextmanager
+    def _rebuilt_scheduler(self, keeps_rollout: bool) -> Iterator[None]:
+        """The scheduler closed while lost workers it depends on are replaced (``Supervisor.replace``), then
+        started again from the old one's state, so the work in flight is done again by the new workers."""
+        state = self.scheduler.state_dict()
+        self._close_scheduler(keeps_rollout)
+        yield
+        self.scheduler = self._new_scheduler()
+        self.scheduler.load_state_dict(state)
+
     def _weight_sync(self) -> WeightSync:
-        """The transfer from the actor's ranks to the rollout workers (not yet connected)."""
-        cfg = self.config
-        return WeightSync(
-            self.actor,
-            self.rollout,
-            bucket_bytes=self.plan.weight_bucket_bytes,
-            timeout_s=cfg.ray.call_timeout_s,
-            colocated=is_colocated(self.role_devices["actor"], self.role_devices["rollout"]),
-            probe=self._sync_probe(),
-        )
-
-    def _sync_probe(self) -> SyncProbe | None:
-        """The check after every weight sync (``rollout.sync_probe_*``), or None when it is off."""
-        spec = self.plan.sync_probe
-        if spec is None:
-            return None
-        sequences = probe_sequences(len(self.tokenizer), spec.sequences, self.config.seed)
-        return SyncProbe(sequences, spec.tolerance)
-
-    def _place_roles(self) -> Callable[[str], list[RankPlacement] | None]:
-        """Each role's devices from the config; with any device mapping, a placement group over the
-        cluster's devices pins every rank to its devices. Impossible mappings fail here, before any model
-        loads."""
-        cfg = self.config
-        self.role_devices = {role.role: role for role in device_roles(cfg)}
-        if reference_workers(cfg):  # the reference model lives on the actor's devices
-            self.role_devices["reference"] = dataclasses.replace(self.role_devices["actor"], role="reference")
-        if not any(role.device_mapping is not None for role in self.role_devices.values()):
-            return lambda role: None
-        self.device_table = DeviceTable.create(timeout_s=cfg.ray.call_timeout_s)
-        problems = validate_plan(list(self.role_devices.values()), self.device_table.num_devices)
-        if problems:
-            self.device_table.remove()
-            raise ConfigError("invalid device mapping:\n" + "\n".join(f"  - {p}" for p in problems))
-        return lambda role: place_role(self.role_devices[role], self.device_table)
+        timeout_s = self.config.ray.call_timeout_s
+        return rollout_transfer(self.role_set, self.plan, len(self.tokenizer), self.config.seed, timeout_s)
 
     # ----- the run loop's hooks ------------------------------------------------------------------------
 
@@ -377,14 +259,14 @@ class PolicyPipeline(RunLoop):
         return results
 
     def evaluate_guarded(self) -> dict[str, float]:
-        return self._replacing(self.evaluate)
+        return self.supervisor.guard(self.evaluate)
 
     # ----- checkpoints and recovery --------------------------------------------------------------------
 
     def driver_state(self) -> dict[str, object]:
         """Beside the trainers' state: every other worker's RNG, the scheduler's state, the KL coef."""
         # First, so that a worker lost here is replaced before the scheduler's state is read.
-        worker_rng = self._replacing(
+        worker_rng = self.supervisor.guard(
             lambda: {
                 role: c.rng_state()
                 for role, c in self.clusters().items()
@@ -407,47 +289,16 @@ class PolicyPipeline(RunLoop):
         self.publisher.restore(step)
 
     def clusters(self) -> dict[str, Cluster]:
-        """The live clusters, in the order the roles are declared."""
-        return self.supervisor.clusters() if self.role_set is not None else {}
+        return self.role_set.clusters()
 
-    actor = property(lambda self: self._live("actor"))
-    critic = property(lambda self: self._live("critic"))
-    rollout = property(lambda self: self._live("rollout"))
-    reference = property(lambda self: self._live("reference"))
-
-    def _live(self, role: str) -> Cluster | None:
-        return self.role_set.get(role) if self.role_set is not None else None
-
-    def _replacing(self, call: Callable[[], T]) -> T:
-        """``call()``, with lost workers that hold no training state replaced (``Supervisor.guard``)."""
-        return self.supervisor.guard(call)
-
-    def _replace_rollout_side(self, roles: set[str]) -> None:
-        """The lost ones of the scheduler's roles replaced, and the scheduler started again from the old
-        one's state, so the work in flight is done again by the new workers."""
-        state = self.scheduler.state_dict()
-        self._close_scheduler(keeps_rollout="rollout" not in roles)
-        for name in sorted(roles & self.scheduler_roles - {"rollout"}):
-            self.role_set.replace(name).setup()
-        if "rollout" in roles:
-            self.publisher.close()
-            self.generator = self.role_set.replace("rollout")
-            self.generator.setup()
-            self.colocation.clusters["rollout"] = self.generator
-            self.publisher.reconnect(self._weight_sync())
-        self.scheduler = self._new_scheduler()
-        self.scheduler.load_state_dict(state)
+    actor = property(lambda self: self.role_set.get("actor"))
+    critic = property(lambda self: self.role_set.get("critic"))
+    rollout = property(lambda self: self.role_set.get("rollout"))
+    reference = property(lambda self: self.role_set.get("reference"))
+    generator = property(lambda self: self.role_set.get(self.generator_role))  # the actor: hybrid engine
 
     def restart_workers(self, lost: dict[str, list[int]]) -> str:
-        """Every worker started again, but stateless ones that still answer: they hold nothing of the
-        lost history that a weight sync and a new scheduler do not replace, and keeping them saves their
-        start-up."""
-        start = time.perf_counter()
-        self._stop_workers(keep=self.role_set.replaceable() - set(lost))
-        stopped = time.perf_counter()
-        self._start_clusters(self.placements)
-        starting = time.perf_counter() - stopped
-        return f"stopping the workers {stopped - start:.1f} s, starting them {starting:.1f} s"
+        return self.supervisor.restart_workers(lost, self._stop_workers, self._start_workers)
 
     def after_restart(self) -> None:
         self.role_set.fill_standby()
@@ -459,9 +310,9 @@ class PolicyPipeline(RunLoop):
         timer = StageTimer()
         start = time.perf_counter()
         metrics: dict[str, float] = {}
-        with timer("rollout"):  # samples, each scored as it finishes (the pipeline's scheduler)
-            _add(metrics, self.colocation.use(self.generator_role))
-            batch, rollout_metrics = self._replacing(lambda: self.scheduler.next_batch(step))
+        # Samples, each scored as it finishes (the pipeline's scheduler).
+        with timer("rollout"), self.role_set.on_device(self.generator_role, metrics=metrics):
+            batch, rollout_metrics = self.supervisor.guard(lambda: self.scheduler.next_batch(step))
         metrics.update(rollout_metrics)
         # Lengths count every attended response token; credit, the KL and the losses only trained ones.
         lengths = batch["response_mask"].sum(dim=1).float()
@@ -497,19 +348,16 @@ class PolicyPipeline(RunLoop):
         batch["advantages"], batch["returns"] = advantages, returns
 
         if self.critic is not None:
-            with timer("critic"):
-                _add(metrics, self.colocation.use("critic"))
+            with timer("critic"), self.role_set.on_device("critic", metrics=metrics):
                 metrics.update({f"critic/{k}": v for k, v in self.critic.train_step(_tensors(batch)).items()})
-        with timer("train"):
-            _add(metrics, self.colocation.use("actor"))
+        with timer("train"), self.role_set.on_device("actor", metrics=metrics):
             kl_loss_coef = self.kl_coef if algo.kl_penalty == "loss" else 0.0
             metrics.update(
                 {f"actor/{k}": v for k, v in self.actor.train_step(_tensors(batch), kl_loss_coef).items()}
             )
         if self.publisher.sends:
-            with timer("sync"):
-                _add(metrics, self.colocation.use("actor", "rollout"))
-                sent = self._replacing(self.publisher.publish)
+            with timer("sync"), self.role_set.on_device("actor", "rollout", metrics=metrics):
+                sent = self.supervisor.guard(self.publisher.publish)
                 metrics["sync/gb_per_s"], metrics["sync/bytes"] = sent["gb_per_s"], sent["bytes"]
                 if "max_logprob_diff" in sent:
                     metrics["sync/max_logprob_diff"] = sent["max_logprob_diff"]
@@ -554,10 +402,10 @@ class PolicyPipeline(RunLoop):
         for name in dict.fromkeys(tags):
             role, rows = teacher_role(name), [i for i, tag in enumerate(tags) if tag == name]
             part, _ = tensors.select(rows).pad_to_divisor(self.role_set.live[role].world_size)
-            _add(metrics, self.colocation.use(role))
-            scored = self._replacing(
-                lambda role=role, part=part: self._live(role).compute_logprobs(part, temperature)
-            )
+            with self.role_set.on_device(role, metrics=metrics):
+                scored = self.supervisor.guard(
+                    lambda role=role, part=part: self.role_set.get(role).compute_logprobs(part, temperature)
+                )
             teacher_logprobs[rows] = scored["logprobs"][: len(rows)].to(torch.float32)
         # The policy's logprobs of its own samples: the old policy's when computed, else the engine's.
         student = batch["old_logprobs"] if "old_logprobs" in batch else batch["rollout_logprobs"]
@@ -574,27 +422,24 @@ class PolicyPipeline(RunLoop):
         once oversubscribe the threads and take longer than both in turn (measured: 110 ms at once
         vs 39 ms in turn for reference + old logprobs on 64 samples, docs/algorithms.md)."""
         temperature = self.config.rollout.temperature
-        if self.uses_reference:
-            batch["ref_logprobs"] = self._reference_logprobs(batch, temperature, metrics)
+        # The initial policy: the reference workers, or with LoRA the actor with its adapter switched off.
+        if self.uses_reference and self.reference is None:
+            with self.role_set.on_device("actor", metrics=metrics):
+                scored = self.actor.compute_reference_logprobs(_tensors(batch), temperature)
+            batch["ref_logprobs"] = scored["logprobs"]
+        elif self.uses_reference:
+            with self.role_set.on_device("reference", metrics=metrics):
+                scored = self.supervisor.guard(
+                    lambda: self.reference.compute_logprobs(_tensors(batch), temperature)
+                )
+            batch["ref_logprobs"] = scored["logprobs"]
         if self.needs_old_logprobs:
-            _add(metrics, self.colocation.use("actor"))
-            batch["old_logprobs"] = self.actor.compute_logprobs(_tensors(batch), temperature)["logprobs"]
+            with self.role_set.on_device("actor", metrics=metrics):
+                batch["old_logprobs"] = self.actor.compute_logprobs(_tensors(batch), temperature)["logprobs"]
         if self.critic is not None:
-            _add(metrics, self.colocation.use("critic"))
-            batch["values"] = self.critic.compute_values(_tensors(batch))["values"]
+            with self.role_set.on_device("critic", metrics=metrics):
+                batch["values"] = self.critic.compute_values(_tensors(batch))["values"]
         return batch
-
-    def _reference_logprobs(
-        self, batch: Batch, temperature: float, metrics: dict[str, float]
-    ) -> torch.Tensor:
-        """The initial policy's logprobs: from the reference workers, or with LoRA from the actor with its
-        adapter switched off (its frozen base is the initial policy)."""
-        if self.reference is None:
-            _add(metrics, self.colocation.use("actor"))
-            return self.actor.compute_reference_logprobs(_tensors(batch), temperature)["logprobs"]
-        _add(metrics, self.colocation.use("reference"))
-        reference = self._replacing(lambda: self.reference.compute_logprobs(_tensors(batch), temperature))
-        return reference["logprobs"]
 
     @property
     def uses_reference(self) -> bool:
@@ -613,11 +458,7 @@ class PolicyPipeline(RunLoop):
 
     def shutdown(self) -> None:
         self._stop_workers()
-        if self.role_set is not None:
-            self.role_set.shutdown()
-        if self.device_table is not None:
-            self.device_table.remove()  # frees the devices for the next job on a shared cluster
-            self.device_table = None
+        self.role_set.shutdown()
         if self.run_dir is not None:
             self.run_dir.release()
 
@@ -626,31 +467,17 @@ class PolicyPipeline(RunLoop):
         if self.scheduler is not None:
             self._close_scheduler(keeps_rollout="rollout" in keep and self.rollout is not None)
         self.publisher.close()
-        if self.role_set is not None:
-            self.role_set.stop(keep)
+        self.role_set.stop(keep)
 
 
 # How long a closing scheduler waits for its open calls on rollout workers that a new one takes over
 # (a collect_finished returns within the router's 1 s wait).
 DRAIN_S = 5.0
-T = TypeVar("T")
 
 
 def _tensors(batch: Batch) -> Batch:
     """The tensor fields only: trainer, reference and critic workers read no text."""
     return batch.select_keys(batch.tensors)
-
-
-def reference_workers(cfg: Any) -> bool:
-    """Whether the run starts reference workers: a KL term needs the initial policy, which with LoRA is the
-    actor's own base weights (``ActorWorker.compute_reference_logprobs``), so no second copy is loaded."""
-    return cfg.algorithm.kl_coef > 0 and cfg.actor.lora is None
-
-
-def _add(metrics: dict[str, float], more: dict[str, float]) -> None:
-    """Sum ``more`` into ``metrics`` (a stage may offload several times per step)."""
-    for key, value in more.items():
-        metrics[key] = metrics.get(key, 0.0) + value
 
 
 def _all_same_group_fraction(scores: torch.Tensor, group_index: torch.Tensor) -> float:

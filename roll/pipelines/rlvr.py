@@ -70,7 +70,7 @@ class RLVRPipeline(PolicyPipeline):
         size = sum(len(ranks) for ranks in self.reward_ranks.values())
         return {"reward": Role("reward", RewardWorker, size, rewards, replaceable=True, loads_model=False)}
 
-    reward = property(lambda self: self._live("reward"))
+    reward = property(lambda self: self.role_set.get("reward"))
 
     @property
     def domains(self) -> dict[str, DomainConfig]:
@@ -117,22 +117,22 @@ class RLVRPipeline(PolicyPipeline):
         ``domains``: ``eval/<domain>/score`` for each domain with held-out rows (``eval.max_prompts``
         applies per domain), and ``eval/score`` their mean weighted by the domains' ratios."""
         assert self.eval_prompts is not None
-        self.colocation.use(self.generator_role)
-        rewards = self.reward_dispatch()
-        per_domain = {}
-        for name, prompts in self.eval_prompts.by_domain().items():
-            per_domain[name] = evaluate(
-                prompts,
-                generate=lambda batch, params: self.generator.generate(
-                    batch.select_keys(GENERATE_FIELDS), params
-                ),
-                score=lambda batch, name=name: score_held_out(rewards, batch, name),
-                params=self.plan.eval_sampling,
-                batch_size=self.config.eval.batch_size,
-                pad_id=self.tokenizer.pad_token_id,
-                max_prompts=self.config.eval.max_prompts,
-                divisor=self.generator.world_size,
-            )
+        with self.role_set.on_device(self.generator_role):
+            rewards = self.reward_dispatch()
+            per_domain = {}
+            for name, prompts in self.eval_prompts.by_domain().items():
+                per_domain[name] = evaluate(
+                    prompts,
+                    generate=lambda batch, params: self.generator.generate(
+                        batch.select_keys(GENERATE_FIELDS), params
+                    ),
+                    score=lambda batch, name=name: score_held_out(rewards, batch, name),
+                    params=self.plan.eval_sampling,
+                    batch_size=self.config.eval.batch_size,
+                    pad_id=self.tokenizer.pad_token_id,
+                    max_prompts=self.config.eval.max_prompts,
+                    divisor=self.generator.world_size,
+                )
         if not self.config.domains:
             return per_domain[DEFAULT_DOMAIN]
         return mix_domain_evals(per_domain, {name: d.ratio for name, d in self.domains.items()})

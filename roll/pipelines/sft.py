@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from roll.config.loader import ConfigError
 from roll.config.sft import SFTConfig
 from roll.data.batch import Batch
 from roll.data.columns import ANSWER
@@ -85,3 +87,35 @@ class SFTPipeline(TrainerPipeline):
     def evaluate(self) -> dict[str, float]:
         assert self.eval_prompts is not None
         return self.task_score(self.eval_prompts)
+
+
+def sft_warm_start(
+    rl: Any, model: str, ranks: list[RankPlacement] | None, inputs: RunInputs, train: Any, **sections: Any
+) -> str:
+    """SFT as its own pipeline, part of the RL run of config ``rl``: from the model RL starts with
+    (``model``), into ``<output_dir>/sft``, on the actor's devices and ``ranks``, with no checkpoints of
+    its own (a resumed run skips it and goes on from ``warm_started_model``). ``sections``: the SFT
+    config's other sections (data, eval, reward). Returns the fine-tuned model's path."""
+    sft_config = SFTConfig(
+        run_name=f"{rl.run_name}-sft",
+        output_dir=str(Path(rl.output_dir) / "sft"),
+        seed=rl.seed,
+        imports=rl.imports,
+        model=dataclasses.replace(rl.model, path=model, tiny=None),
+        train=train,
+        checkpoint=dataclasses.replace(rl.checkpoint, every_steps=0, max_restarts=0, standby_workers=False),
+        tracking=rl.tracking,
+        ray=rl.ray,
+        **sections,
+    )
+    warm = SFTPipeline(sft_config, inputs, "SFT warm-start", overwrite=True, placements=ranks)
+    return warm.run()
+
+
+def warm_started_model(output_dir: str) -> str:
+    """The warm start's model, saved by the run being resumed: RL goes on from the checkpoint and the
+    reference model is this one, as before."""
+    path = Path(output_dir) / "sft" / "model"
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"the run being resumed has no SFT warm-start model at {path}")
+    return str(path)

@@ -5,8 +5,8 @@ Rollout, reward, reference, teacher and environment workers hold nothing a check
 (``Role.replaceable``): a loss of one is found when a call fails (``WorkerError``: a dead, frozen or
 timed-out rank, ``roll.pipelines.recovery.lost_workers``), counted against ``checkpoint.max_restarts``,
 and the role's cluster is replaced (by its standby when ``checkpoint.standby_workers`` keeps one). A lost
-trainer (actor, critic) is not this module's: the run loop restarts every worker from the last checkpoint
-(``RunLoop._restart``).
+trainer (actor, critic) stops the run loop's step: it restarts the workers (``restart_workers``) and
+loads the last checkpoint (``RunLoop._restart``).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
 
-from roll.config.devices import TEACHER_PREFIX
-from roll.distributed.cluster import Cluster, WorkerError
-from roll.distributed.colocation import Colocation
-from roll.distributed.weight_sync import WeightSyncError
+from roll.distributed.cluster import WorkerError
+from roll.distributed.weight_sync import WeightSync, WeightSyncError
 from roll.pipelines.recovery import RestartBudget, lost_workers
 from roll.pipelines.roles import RoleSet
+from roll.pipelines.weight_publisher import WeightPublisher
 from roll.utils.signals import set_activity
 
 logger = logging.getLogger(__name__)
@@ -30,30 +30,26 @@ T = TypeVar("T")
 
 class Supervisor:
     """Args:
-    roles: the run's role set (its live clusters and standbys).
+    roles: the run's role set (its live clusters, standbys and devices).
     budget: the run's recoveries, shared with the run loop's restarts.
-    colocation: the run's colocation (a replacement takes its role's place in it).
-    rollout_side: roles the rollout scheduler depends on (rollout workers, reward or environment
-        workers): after such a loss the scheduler starts again from its state.
-    rebuild_rollout_side: replaces those of them that were lost and the scheduler (the pipeline's: it
-        owns the scheduler and the weight transfer).
+    publisher: the weight transfer; rollout workers that replace lost ones get the trained weights.
+    weight_sync: a new transfer from the actor to the live rollout workers (not yet connected).
+    rollout_side: roles the rollout scheduler depends on (rollout, reward or environment workers).
+    rebuild_scheduler: ``with rebuild_scheduler(keeps_rollout):`` closes the scheduler, then starts it again
+        from its state (the pipeline's: it makes schedulers), so the work in flight is done again.
     """
 
     def __init__(
         self,
         roles: RoleSet,
         budget: RestartBudget,
-        colocation: Callable[[], Colocation],
+        publisher: WeightPublisher,
+        weight_sync: Callable[[], WeightSync],
         rollout_side: frozenset[str],
-        rebuild_rollout_side: Callable[[set[str]], None],
+        rebuild_scheduler: Callable[[bool], AbstractContextManager[Any]],
     ):
-        self.roles, self.budget, self.colocation = roles, budget, colocation
-        self.rollout_side, self.rebuild_rollout_side = rollout_side, rebuild_rollout_side
-
-    def clusters(self) -> dict[str, Cluster]:
-        """The live clusters, in the order the roles are declared."""
-        live = self.roles.live
-        return {name: live[name] for name in self.roles.roles if name in live}
+        self.roles, self.budget, self.publisher, self.weight_sync = roles, budget, publisher, weight_sync
+        self.rollout_side, self.rebuild_scheduler = rollout_side, rebuild_scheduler
 
     def guard(self, call: Callable[[], T]) -> T:
         """``call()``; when it fails because replaceable workers were lost, they are replaced and ``call``
@@ -62,24 +58,29 @@ class Supervisor:
             try:
                 return call()
             except (WorkerError, WeightSyncError) as error:
-                lost = lost_workers(error, self.clusters())
+                lost = lost_workers(error, self.roles.clusters())
                 if not lost or not set(lost) <= self.roles.replaceable():
                     raise
                 self.budget.spend(error, lost, f"replacing {' and '.join(sorted(lost))} workers")
                 self.replace(set(lost))
 
     def replace(self, roles: set[str]) -> None:
-        """New clusters in place of the lost ``roles``. Model holders with no state but the model they
-        loaded (the reference, distillation's teachers) load it again; the rollout side is the
-        pipeline's to rebuild."""
+        """New clusters in place of the lost ``roles``, set up: roles outside the rollout side (the
+        reference, distillation's teachers) load their model again; a loss on the rollout side rebuilds
+        the scheduler around the replacement, and new rollout workers get a new weight transfer and the
+        trained weights."""
         set_activity(f"replacing lost {' and '.join(sorted(roles))} workers")
         start = time.perf_counter()
-        for name in sorted(r for r in roles if r == "reference" or r.startswith(TEACHER_PREFIX)):
-            cluster = self.roles.replace(name)
-            cluster.setup()
-            self.colocation().clusters[name] = cluster
+        for name in sorted(roles - self.rollout_side):
+            self.roles.renew(name)
         if roles & self.rollout_side:
-            self.rebuild_rollout_side(roles)
+            with self.rebuild_scheduler("rollout" not in roles):
+                for name in sorted(roles & self.rollout_side - {"rollout"}):
+                    self.roles.renew(name)
+                if "rollout" in roles:
+                    self.publisher.close()
+                    self.roles.renew("rollout")
+                    self.publisher.reconnect(self.weight_sync())
         logger.warning(
             "replaced the %s workers in %.1f s%s",
             " and ".join(sorted(roles)),
@@ -87,3 +88,16 @@ class Supervisor:
             " (standby processes)" if self.roles.standby else "",
         )
         self.roles.fill_standby()
+
+    def restart_workers(
+        self, lost: dict[str, list[int]], stop: Callable[[set[str]], None], start: Callable[[], None]
+    ) -> str:
+        """Every worker started again (the pipeline's ``stop(keep)``, then ``start()``), but stateless ones
+        that still answer: they hold nothing of the lost history that a weight sync and a new scheduler do
+        not replace, and keeping them saves their start-up. Returns how long each part took."""
+        began = time.perf_counter()
+        stop(self.roles.replaceable() - set(lost))
+        stopped = time.perf_counter()
+        start()
+        starting = time.perf_counter() - stopped
+        return f"stopping the workers {stopped - began:.1f} s, starting them {starting:.1f} s"

@@ -18,16 +18,11 @@ from roll.data.dataset import PromptIterator
 from roll.data.prompts import PromptSet
 from roll.distributed.cluster import Cluster
 from roll.distributed.device_mapping import role_devices
-from roll.distributed.liveness import Liveness
-from roll.pipelines.common import (
-    evaluate,
-    init_ray,
-    place_trainer,
-    prepare_model,
-    write_resolved_config,
-)
+from roll.distributed.placement import place_role
+from roll.pipelines.common import evaluate, init_ray, prepare_model, reserve_devices, write_resolved_config
 from roll.pipelines.preflight import RunInputs, preflight
 from roll.pipelines.recovery import RestartBudget
+from roll.pipelines.roles import cluster_options
 from roll.pipelines.run_dir import RunDirectory
 from roll.pipelines.run_loop import RunLoop
 from roll.rewards import score_response
@@ -76,8 +71,9 @@ class TrainerPipeline(RunLoop):
             init_ray(config.ray)
             devices = role_devices(self.trainer_key, self.options.device_mapping, self.options.world_size)
             self.world_size = len(placements) if placements is not None else devices.world_size
-            if placements is None:
-                self.device_table, self.placements = place_trainer(devices, config.ray.call_timeout_s)
+            if placements is None:  # one placement per rank: its reference or teacher takes the same ones
+                table = self.device_table = reserve_devices([devices], config.ray.call_timeout_s)
+                self.placements = place_role(devices, table) if table is not None else None
             write_resolved_config(config, config.output_dir)
             self.model_path = prepare_model(config.model, config.output_dir)
             self.start_workers()
@@ -117,16 +113,8 @@ class TrainerPipeline(RunLoop):
 
     def cluster(self, role: str, worker: type, world_size: int, spec: object) -> Cluster:
         """A cluster of ``role`` on the trainer's devices, with the run's timeouts, liveness and plugins."""
-        cfg = self.config
         return Cluster(
-            role,
-            worker,
-            world_size,
-            spec,
-            cfg.ray.call_timeout_s,
-            plugins=cfg.imports,
-            liveness=Liveness.from_config(cfg.ray),
-            placements=self.placements,
+            role, worker, world_size, spec, placements=self.placements, **cluster_options(self.config)
         )
 
     def clusters(self) -> dict[str, Cluster]:

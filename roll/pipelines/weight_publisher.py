@@ -11,9 +11,15 @@ but the version still counts the updates, so staleness means the same.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from roll.distributed.device_mapping import is_colocated
+from roll.distributed.sync_probe import SyncProbe, probe_sequences
 from roll.distributed.weight_sync import WeightSync
+
+if TYPE_CHECKING:
+    from roll.pipelines.roles import RoleSet
+    from roll.pipelines.worker_specs import WorkerPlan
 
 
 class WeightPublisher:
@@ -79,3 +85,19 @@ class WeightPublisher:
     def _set(self, version: int) -> None:
         self.version = version
         self._on_version(version)
+
+
+def rollout_transfer(roles: RoleSet, plan: WorkerPlan, vocab: int, seed: int, timeout_s: float) -> WeightSync:
+    """The transfer from the actor's ranks to the live rollout workers (not yet connected), checked after
+    every sync on the probe (``rollout.sync_probe_*``) unless it is off."""
+    spec, probe = plan.sync_probe, None
+    if spec is not None:
+        probe = SyncProbe(probe_sequences(vocab, spec.sequences, seed), spec.tolerance)
+    return WeightSync(
+        roles.live["actor"],
+        roles.live["rollout"],
+        bucket_bytes=plan.weight_bucket_bytes,
+        timeout_s=timeout_s,
+        colocated=is_colocated(roles.devices["actor"], roles.devices["rollout"]),
+        probe=probe,
+    )

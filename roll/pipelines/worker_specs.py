@@ -19,12 +19,15 @@ from roll.config.devices import role_plan
 from roll.config.rlvr import RLVRConfig, tis_cap
 from roll.distributed.device_mapping import RoleDevices
 from roll.distributed.sync_probe import ProbeSpec, default_tolerance
+from roll.pipelines.onpolicy_distill import onpolicy_teachers, teacher_role
+from roll.pipelines.roles import Role
 from roll.rollout.scheduler import SchedulerSpec
 from roll.strategies.requests import SamplingParams
-from roll.workers.actor import ActorSpec, LoraSpec, OptimizerSpec, PolicyLossSpec
+from roll.workers.actor import ActorSpec, ActorWorker, LoraSpec, OptimizerSpec, PolicyLossSpec
 from roll.workers.base import ModelSpec
-from roll.workers.critic import CriticSpec
-from roll.workers.rollout import RolloutSpec
+from roll.workers.critic import CriticSpec, CriticWorker
+from roll.workers.reference import ReferenceSpec, ReferenceWorker
+from roll.workers.rollout import RolloutSpec, RolloutWorker
 
 __all__ = [
     "WorkerPlan",
@@ -33,6 +36,8 @@ __all__ = [
     "lora_spec",
     "mini_batches_per_epoch",
     "plan_workers",
+    "policy_roles",
+    "reference_workers",
     "updates_per_step",
 ]
 
@@ -66,8 +71,38 @@ def probe_spec(rollout: Any, model: ModelConfig) -> ProbeSpec | None:
 
 
 def device_roles(cfg: RLVRConfig) -> list[RoleDevices]:
-    """The device-holding roles that start workers: no rollout role with ``rollout.hybrid_engine``."""
-    return [role for role in role_plan(cfg) if not (cfg.rollout.hybrid_engine and role.role == "rollout")]
+    """The device-holding roles that start workers: no rollout role with ``rollout.hybrid_engine``; the
+    reference model, when the run starts one, on the actor's devices."""
+    roles = [role for role in role_plan(cfg) if not (cfg.rollout.hybrid_engine and role.role == "rollout")]
+    if reference_workers(cfg):
+        roles.append(dataclasses.replace(next(r for r in roles if r.role == "actor"), role="reference"))
+    return roles
+
+
+def reference_workers(cfg: Any) -> bool:
+    """Whether the run starts reference workers: a KL term needs the initial policy, which with LoRA is the
+    actor's own base weights (``ActorWorker.compute_reference_logprobs``), so no second copy is loaded."""
+    return cfg.algorithm.kl_coef > 0 and cfg.actor.lora is None
+
+
+def policy_roles(cfg: RLVRConfig, plan: WorkerPlan, extra: dict[str, Role]) -> dict[str, Role]:
+    """An RL run's roles: the actor; a critic only when configured; rollout workers unless the actor
+    generates (hybrid engine); the pipeline's ``extra`` roles; on-policy distillation's teachers; a
+    reference only with a KL term and no LoRA (with LoRA the actor's base weights are the initial policy)."""
+    roles = [Role("actor", ActorWorker, cfg.actor.world_size, plan.actor, trainer=True)]
+    if plan.critic is not None:
+        roles.append(Role("critic", CriticWorker, cfg.critic.world_size, plan.critic, trainer=True))
+    if not plan.hybrid_engine:
+        roles.append(Role("rollout", RolloutWorker, cfg.rollout.world_size, plan.rollout, replaceable=True))
+    roles += extra.values()
+    for name, teacher in onpolicy_teachers(cfg).items():
+        model = dataclasses.replace(plan.rollout.model, path=teacher.model_path)  # inference dtype
+        spec = ReferenceSpec(model)
+        roles.append(Role(teacher_role(name), ReferenceWorker, teacher.world_size, spec, replaceable=True))
+    if reference_workers(cfg):
+        spec = ReferenceSpec(plan.actor.model)
+        roles.append(Role("reference", ReferenceWorker, cfg.actor.world_size, spec, replaceable=True))
+    return {role.name: role for role in roles}
 
 
 def updates_per_step(section: Any, samples: int) -> int:
