@@ -11,13 +11,14 @@ current one is stale (``stale_before``): the subclass drops it and draws again.
 
 from __future__ import annotations
 
+import abc
 import threading
 from typing import Any
 
 from roll.data.batch import Batch
 
 
-class GroupScheduler:
+class GroupScheduler(abc.ABC):
     """Base of a scheduler whose ``spec`` has ``async_generation_ratio``. A subclass gives one round
     (``_pump``), the groups of the next batch once they are ready (``_take_batch``, under the lock) and
     the batch made of them (``_batch``)."""
@@ -92,11 +93,14 @@ class GroupScheduler:
                 self._error = error
                 self._changed.notify_all()
 
+    @abc.abstractmethod
     def _pump(self) -> None:
-        raise NotImplementedError
+        """One round: send what is wanted, wait a little for results, react to them."""
 
+    @abc.abstractmethod
     def _take_batch(self) -> Any:
-        raise NotImplementedError
+        """The groups of the next batch, taken out of the live ones, or None while they are not ready."""
 
+    @abc.abstractmethod
     def _batch(self, groups: Any) -> tuple[Batch, dict[str, float]]:
-        raise NotImplementedError
+        """The training batch of ``groups`` and its metrics."""
