@@ -89,7 +89,7 @@ def _distill_loss(path: str, model, batch, teacher_indices, teacher_logprobs):
         logits = logits[:, prompt_length - 1 : prompt_length - 1 + length].float()
         student = _support(logits, teacher_indices, "extra_class")
     else:
-        logits, _, _ = response_logits(model, batch)
+        logits, _ = response_logits(model, batch)
         student = student_on_support(logits, teacher_indices, "extra_class")
     return forward_kl(teacher_logprobs, student).mean()
 

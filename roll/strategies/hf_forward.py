@@ -41,16 +41,11 @@ def packs_sequences(model: torch.nn.Module) -> bool:
 @dataclass
 class _ResponseOutputs:
     """The model's outputs at the positions that predict response tokens, and how to lay per-token results
-    out as [B, R] (zeros where no response token is attended)."""
+    out as [B, R]."""
 
     outputs: torch.Tensor  # [B, L, ...] padded, or [1, N, ...] packed (N attended response tokens)
     targets: torch.Tensor  # the response ids predicted there: [B, L] or [1, N]
-    mask: torch.Tensor  # [B, L] response mask (padded), or [1, N] ones (packed)
-    _place: Callable[[torch.Tensor], torch.Tensor]
-
-    def place(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` (one per target) masked and laid out [B, R]."""
-        return self._place(values * self.mask)
+    place: Callable[[torch.Tensor], torch.Tensor]  # one value per target -> [B, R], 0 where not attended
 
 
 def _response_outputs(model: torch.nn.Module, batch: Batch, packed: bool | None = None) -> _ResponseOutputs:
@@ -80,7 +75,7 @@ def _response_outputs(model: torch.nn.Module, batch: Batch, packed: bool | None 
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         predicting = torch.arange(prompt_length - 1, prompt_length - 1 + length, device=input_ids.device)
         outputs = _forward_at(model, inputs, predicting, options)
-        return _ResponseOutputs(outputs, response_ids, response_mask, lambda values: _pad_to(values, width))
+        return _ResponseOutputs(outputs, response_ids, lambda values: _pad_to(values * response_mask, width))
 
     attended = attention_mask.bool()
     # A token's place in the pack (row-major over attended tokens); a response token is predicted by the
@@ -97,7 +92,7 @@ def _response_outputs(model: torch.nn.Module, batch: Batch, packed: bool | None 
         laid_out = values.new_zeros((rows, width))
         return laid_out.index_put(where, values.reshape(-1))
 
-    return _ResponseOutputs(outputs, targets, torch.ones_like(targets, dtype=response_mask.dtype), place)
+    return _ResponseOutputs(outputs, targets, place)
 
 
 def _forward_at(
@@ -191,12 +186,12 @@ def pair_logprobs(
     return sums[:size], sums[size:], counts[:size], counts[size:]
 
 
-def response_logits(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The logits [B, L, V] that predict each response token, with the response ids and mask cut to the
-    same L (the columns up to the last attended one; the caller cuts its own [B, R] tensors to L).
-    Always padded: distillation's losses read the logits by row and column."""
+def response_logits(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits [B, L, V] that predict each response token, with the response ids cut to the same L (the
+    columns up to the last attended one; the caller cuts its own [B, R] tensors to L). Always padded:
+    distillation's losses read the logits by row and column."""
     found = _response_outputs(model, batch, packed=False)
-    return found.outputs, found.targets, found.mask
+    return found.outputs, found.targets
 
 
 def pad_columns(values: torch.Tensor, width: int) -> torch.Tensor:

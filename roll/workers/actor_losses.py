@@ -172,7 +172,7 @@ def distill_terms(
     from roll.algorithms.distillation import DISTILL_OBJECTIVES, forward_kl, student_on_support
     from roll.algorithms.functional import logprobs_from_logits
 
-    logits, response_ids, _ = response_logits(model, micro)
+    logits, response_ids = response_logits(model, micro)
     length = logits.shape[1]
     # No float32 copy of the logits: the support and the logprobs upcast a chunk of positions at a time.
     teacher = micro["teacher_logprobs"][:, :length].float()

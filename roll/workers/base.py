@@ -162,7 +162,7 @@ class ModelWorker(Worker):
 
         self.model.eval()
         with torch.no_grad():
-            logits, _, _ = response_logits(self.model, batch.to(self.device))
+            logits, _ = response_logits(self.model, batch.to(self.device))
             indices, logprobs = teacher_topk(logits, k, tail)
         width = batch["response_ids"].shape[1]
         return Batch(
