@@ -20,7 +20,7 @@ from roll.distributed.worker import register
 from roll.models.loading import load_tokenizer
 from roll.pipelines.common import prompt_batch, response_tensors, setup_trainer
 from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
-from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
+from roll.workers.actor import ActorSpec, ActorWorker, CrossEntropySpec, OptimizerSpec
 from roll.workers.base import ModelSpec
 from roll.workers.reward import RewardWorker
 from roll.workers.rollout import RolloutSpec, RolloutWorker
@@ -221,7 +221,7 @@ def test_two_rank_fsdp_training_equals_one_rank(tiny_model_path, prompts, tmp_pa
         batch[key] = value
 
     def train(world_size: int, **spec_changes) -> tuple[list[float], torch.Tensor]:
-        spec = dataclasses.replace(actor_spec(tiny_model_path), **spec_changes)
+        spec = dataclasses.replace(actor_spec(tiny_model_path), loss=CrossEntropySpec(), **spec_changes)
         actor = Cluster("actor", ActorWorker, world_size, spec)
         try:
             setup_trainer(actor)
