@@ -16,7 +16,8 @@ peak-memory numbers; a CUDA error or a hang in one section cannot take the other
   ``--peak-tflops``, peak memory; then ``offload_states`` / ``reload_states`` (model + grads + Adam
   moments, through reused pinned buffers) twice, a step after each reload. Also reports the share of
   weights one step at lr 1e-6 changes. Each of ``--train-variants`` runs: an attention kernel
-  (``flash_attention_2`` packs the rows without padding; skipped when flash-attn is not installed), with
+  (``sdpa_varlen`` and ``flash_attention_2`` pack the rows without padding, and report how far the packed
+  logprobs are from sdpa's padded ones; flash_attention_2 is skipped when flash-attn is not installed), with
   ``+ckpt`` gradient checkpointing. ``--dtypes bf16-autocast`` runs float32 weights under
   ``torch.autocast(bfloat16)`` instead (a peer's way of mixed precision, for comparison: ROLL's bfloat16
   is FSDP2's mixed precision over float32 master weights).
@@ -319,12 +320,30 @@ def section_train(args, dtype: str) -> None:
     vocab = worker.model.config.vocab_size
     batch = _train_batch(args.train_rows, args.prompt_len, args.response_len, vocab)
     tokens = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())  # real tokens, not padding
+    packed_vs_padded = None
+    if packs_sequences(worker.model):
+        # The packed kernel's logprobs against the same weights' padded sdpa pass.
+        from roll.strategies.hf_forward import response_logprobs
+
+        with torch.no_grad():
+            packed, _ = response_logprobs(worker.model, batch.to(worker.device))
+            kernel_name = worker.model.config._attn_implementation
+            worker.model.config._attn_implementation = "sdpa"
+            try:
+                padded, _ = response_logprobs(worker.model, batch.to(worker.device))
+            finally:
+                worker.model.config._attn_implementation = kernel_name
+        packed_vs_padded = float((packed - padded).abs().max())
     worker.train_step(batch)  # warm-up (and creates the Adam moments)
+
     # How much of the model one step at an RL learning rate (1e-6) changes: without an fp32 master copy,
     # bf16 weights drop updates below their rounding step.
-    before = [p.detach().clone() for p in worker.model.parameters()]
+    def local(t):  # a sharded (FSDP2) parameter's own shard: older torch has no DTensor `!=`
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    before = [local(p.detach()).clone() for p in worker.model.parameters()]
     worker.train_step(batch)
-    changed = sum(int((p.detach() != b).sum()) for p, b in zip(worker.model.parameters(), before))
+    changed = sum(int((local(p.detach()) != b).sum()) for p, b in zip(worker.model.parameters(), before))
     changed_frac = changed / sum(b.numel() for b in before)
     del before
     if device.type == "cuda":
@@ -339,6 +358,16 @@ def section_train(args, dtype: str) -> None:
         times.append(time.perf_counter() - start)
     times.sort()
     median = times[len(times) // 2]
+    if args.profile:  # where a step's time goes: the top ops by their own CPU time and by device time
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            worker.train_step(batch)
+            _sync(device)
+        for key in ("self_cpu_time_total", "self_device_time_total" if device.type == "cuda" else None):
+            if key:
+                print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
     params = sum(p.numel() for p in worker.model.parameters())
     # Model FLOPs: 6 per parameter per token (forward and backward; the tied embedding counts once, for the
     # head), plus causal attention's 6 x layers x hidden x length^2 per sequence.
@@ -367,6 +396,7 @@ def section_train(args, dtype: str) -> None:
             "loss": metrics.get("loss"),
             "grad_norm": metrics.get("grad_norm"),
             "changed_frac_lr1e-6": changed_frac,
+            "packed_vs_padded_logprob_maxdiff": packed_vs_padded,
             "param_dtypes": param_dtypes,
             "state_dtypes": state_dtypes,
         }
@@ -850,14 +880,16 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=3)
     parser.add_argument(
         "--train-variants",
-        default="sdpa,sdpa+ckpt,flash_attention_2,flash_attention_2+ckpt",
+        default="sdpa,sdpa+ckpt,sdpa_varlen,sdpa_varlen+ckpt,flash_attention_2",
         help="train: attention kernels, +ckpt for gradient checkpointing",
     )
     parser.add_argument(
         "--peak-tflops", type=float, default=989.0, help="for MFU: the device's dense bf16 peak (H100/H200)"
     )
     parser.add_argument("--bucket-mb", type=int, default=256)
-    parser.add_argument("--profile", action="store_true", help="decode: also print a profile (CUDA only)")
+    parser.add_argument(
+        "--profile", action="store_true", help="decode, infer, train: also print a profile of a step"
+    )
     parser.add_argument(
         "--no-cudnn-sdp", action="store_true", help="turn off the cuDNN attention backend of SDPA"
     )

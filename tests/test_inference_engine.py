@@ -156,6 +156,28 @@ def test_greedy_requests_match_batch_generate(engine, tokenizer, prompts) -> Non
         assert torch.allclose(torch.tensor(result.logprobs), torch.tensor(logprobs), atol=1e-4)
 
 
+def test_an_sdpa_varlen_model_generates_as_the_sdpa_one(tiny_model_path: str, tokenizer, prompts) -> None:
+    """``model.attn_implementation: sdpa_varlen`` reaches rollout workers too: a lone prompt's prefill
+    (one row, no padding, no past: the unmasked path) and batched, cached decoding give sdpa's tokens and
+    logprobs."""
+    results = {}
+    for kernel in ("sdpa", "sdpa_varlen"):
+        engine = HFEngine(load_causal_lm(tiny_model_path, attn_implementation=kernel), tokenizer, "cpu")
+        try:
+            lone = [engine.generate(as_batch([p], tokenizer.pad_token_id), GREEDY) for p in prompts]
+            together = engine.generate(as_batch(prompts, tokenizer.pad_token_id), GREEDY)
+            results[kernel] = [row_result(out, 0) for out in lone] + [
+                row_result(together, i) for i in range(len(prompts))
+            ]
+        finally:
+            engine.shutdown()
+    for (tokens, logprobs, reason), (want_tokens, want_logprobs, want_reason) in zip(
+        results["sdpa_varlen"], results["sdpa"]
+    ):
+        assert (tokens, reason) == (want_tokens, want_reason)
+        assert torch.allclose(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-5)
+
+
 def test_sampled_request_matches_batch_generate_under_the_same_seed(engine, tokenizer, prompts) -> None:
     params = SamplingParams(max_new_tokens=8, temperature=0.7, top_k=5, top_p=0.9)
     torch.manual_seed(123)

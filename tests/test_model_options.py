@@ -59,6 +59,21 @@ def test_a_flash_attention_kernel_is_checked_before_the_run(monkeypatch: pytest.
     assert cfg.model.attn_implementation == "flash_attention_2"
 
 
+@pytest.mark.usefixtures("at_repo_root")
+def test_sdpa_varlen_needs_a_torch_with_varlen_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It runs in float32 too (no FlashAttention dtype rule); a torch older than 2.10 is refused."""
+    cfg = load_config("examples/quickstart.yaml", ["model.attn_implementation=sdpa_varlen"])
+    assert cfg.model.attn_implementation == "sdpa_varlen" and cfg.model.dtype == "float32"
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "torch.nn.attention.varlen" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ConfigError, match=r"model.attn_implementation: sdpa_varlen needs torch 2.10"):
+        load_config("examples/quickstart.yaml", ["model.attn_implementation=sdpa_varlen"])
+
+
 def saved_activation_bytes(worker, batch: Batch) -> int:
     """Bytes the autograd graph of one training forward keeps for backward, outside checkpointed blocks."""
     from roll.strategies.hf_forward import response_logprobs

@@ -1,6 +1,8 @@
-"""Padding-free forward passes: with a FlashAttention kernel a micro-batch's rows go through the model as one
-packed row (position ids restarting at each row), and every result equals the padded pass's. sdpa and eager
-take packed rows through a block-diagonal mask, which is how these tests check the packed path on a CPU."""
+"""Padding-free forward passes: with a varlen attention kernel (FlashAttention's, or torch's as
+``sdpa_varlen``) a micro-batch's rows go through the model as one packed row (position ids restarting at
+each row), and every result equals the padded pass's. sdpa and eager take packed rows through a
+block-diagonal mask, which is how some of these tests force the packed path on a CPU; ``sdpa_varlen`` runs
+it as configured (one sdpa call per sequence on a CPU)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from in_process_actor import Actor, weights
 import roll.strategies.hf_forward as hf_forward
 from roll.data.batch import Batch
 from roll.models.loading import load_causal_lm, load_value_model
+from roll.models.varlen_attention import sequence_starts
 from roll.strategies.hf_forward import packs_sequences, response_logprobs, response_values
 
 
@@ -89,31 +92,82 @@ def test_only_a_varlen_attention_kernel_packs() -> None:
     def model_with(kernel: str) -> SimpleNamespace:
         return SimpleNamespace(config=SimpleNamespace(_attn_implementation=kernel))
 
-    assert packs_sequences(model_with("flash_attention_2")) and packs_sequences(
-        model_with("flash_attention_3")
+    assert all(
+        map(packs_sequences, map(model_with, ["flash_attention_2", "flash_attention_3", "sdpa_varlen"]))
     )
     # sdpa and eager would attend through a mask as long as the whole pack: they stay padded.
     assert not packs_sequences(model_with("sdpa")) and not packs_sequences(model_with("eager"))
 
 
-def test_a_packed_actor_trains_as_the_padded_one(
-    tiny_model_path: str, sft_batch: Batch, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Two SFT steps of the real actor, padded and packed (as it packs under FlashAttention): the same
-    losses and weights. Its logprobs for the old policy agree too."""
+def test_a_packed_actor_trains_as_the_padded_one(tiny_model_path: str, sft_batch: Batch) -> None:
+    """Two SFT steps of the real actor, padded (sdpa) and packed (``model.attn_implementation:
+    sdpa_varlen``): the same losses and weights. Its logprobs for the old policy agree too."""
     runs = {}
-    for packed in (False, True):
-        monkeypatch.setattr(hf_forward, "packs_sequences", lambda model, packed=packed: packed)
-        with Actor(tiny_model_path, "float32", lr=1e-2) as actor:
+    for kernel in ("sdpa", "sdpa_varlen"):
+        with Actor(
+            tiny_model_path, "float32", lr=1e-2, model_changes={"attn_implementation": kernel}
+        ) as actor:
+            assert packs_sequences(actor.model) == (kernel == "sdpa_varlen")
             old = actor.compute_logprobs(sft_batch)["logprobs"]
             losses = [actor.train_step(sft_batch)["loss"] for _ in range(2)]
-            runs[packed] = old, losses, weights(actor)
-    (old, losses, after), (old_packed, losses_packed, after_packed) = runs[False], runs[True]
+            runs[kernel] = old, losses, weights(actor)
+    (old, losses, after), (old_packed, losses_packed, after_packed) = runs["sdpa"], runs["sdpa_varlen"]
     torch.testing.assert_close(old_packed, old, atol=1e-5, rtol=1e-5)
     assert losses_packed == pytest.approx(losses, rel=1e-5)
     assert losses[1] < losses[0]
     for name, tensor in after.items():
         torch.testing.assert_close(after_packed[name], tensor, atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_varlen_attends_within_each_packed_sequence_with_no_mask(
+    tiny_model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU ``sdpa_varlen`` runs one causal sdpa call per packed sequence: no mask as long as the
+    pack, no compute on padding, and the padded model's logprobs and gradients."""
+    import roll.models.varlen_attention as varlen_attention
+
+    padded_model = load_causal_lm(tiny_model_path, attn_implementation="sdpa")
+    model = load_causal_lm(tiny_model_path, attn_implementation="sdpa_varlen")
+    batch = ragged_batch(model.config.vocab_size)
+    seen = model_inputs(model)
+    calls: list[tuple[int, ...]] = []
+    sdpa = varlen_attention.F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        varlen_attention.F,
+        "scaled_dot_product_attention",
+        lambda q, *a, **k: (q.dim() == 3 and calls.append(q.shape[1])) or sdpa(q, *a, **k),
+    )
+    results = {}
+    for name, m in (("padded", padded_model), ("packed", model)):
+        logprobs, entropy = response_logprobs(m, batch, temperature=0.7, with_entropy=True)
+        (logprobs.sum() + entropy.sum()).backward()
+        results[name] = logprobs.detach(), {n: p.grad for n, p in m.named_parameters()}
+    assert seen == [{"ids": (1, 18), "mask": False}]
+    # One unbatched call per row (one layer) over its 3 + 3, 5 + 2 and 1 + 4 attended tokens; the padded
+    # model's one batched call is not counted.
+    assert calls == [6, 7, 5]
+    torch.testing.assert_close(results["packed"][0], results["padded"][0], atol=1e-5, rtol=1e-5)
+    for name, grad in results["padded"][1].items():
+        torch.testing.assert_close(results["packed"][1][name], grad, atol=1e-5, rtol=1e-4)
+
+
+def test_sdpa_varlen_is_sdpa_for_padded_rows_and_cached_decoding(tiny_model_path: str) -> None:
+    """What does not come packed (rows with padding; the rollout engine's prefill and decode with a KV
+    cache) runs as sdpa does."""
+    models = [load_causal_lm(tiny_model_path, attn_implementation=k) for k in ("sdpa", "sdpa_varlen")]
+    batch = ragged_batch(models[0].config.vocab_size)
+    prompt = {"input_ids": batch["prompt_ids"], "attention_mask": batch["prompt_mask"]}
+    with torch.no_grad():
+        logits = [m(**prompt).logits for m in models]
+        generated = [m.generate(**prompt, max_new_tokens=4, do_sample=False, pad_token_id=0) for m in models]
+    mask = batch["prompt_mask"].bool()
+    torch.testing.assert_close(logits[1][mask], logits[0][mask])
+    assert torch.equal(generated[1], generated[0])
+
+
+def test_packed_sequences_start_where_positions_restart() -> None:
+    assert sequence_starts(torch.tensor([[0, 1, 2, 0, 1, 0]])).tolist() == [0, 3, 5, 6]
+    assert sequence_starts(torch.tensor([[4, 5, 6]])).tolist() == [0, 3]  # one sequence, offset
 
 
 def test_response_logprobs_pack_on_their_own_under_a_packing_kernel(

@@ -74,13 +74,15 @@ class ModelConfig:
     )
 
     attn_implementation: Literal[
-        "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"
+        "sdpa", "sdpa_varlen", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"
     ] = option(
         "sdpa",
         help="The attention kernel of every role that loads the model (transformers' "
         "attn_implementation): sdpa (torch's scaled_dot_product_attention), eager, or a FlashAttention "
         "build when installed (flash_attention_2 needs the flash-attn package and a bfloat16/float16 "
-        "dtype; with it the trainers pack micro-batches without padding). Checked before the run starts.",
+        "dtype). sdpa_varlen, flash_attention_2 and flash_attention_3 make the trainers pack "
+        "micro-batches without padding; sdpa_varlen needs no package (torch's varlen FlashAttention on "
+        "CUDA in bfloat16/float16, one sdpa call per sequence otherwise). Checked before the run starts.",
     )
 
     def inference(self) -> str:

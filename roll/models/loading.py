@@ -126,16 +126,20 @@ def turn_stop_ids(
     return tuple(dict.fromkeys([*end_of_sequence_ids(tokenizer, holder), *(int(i) for i in extra)]))
 
 
-# The package each FlashAttention kernel of transformers imports (sdpa, eager and flex_attention are torch's).
+# The package each FlashAttention kernel of transformers imports (sdpa, eager, flex_attention and
+# sdpa_varlen are torch's).
 ATTENTION_PACKAGES = {"flash_attention_2": "flash-attn", "flash_attention_3": "flash-attn-3"}
 _ATTENTION_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 
 
 def attention_problem(attn_implementation: str, dtypes: Sequence[str]) -> str | None:
     """Why ``attn_implementation`` cannot run here with weights in ``dtypes``, or None: a FlashAttention
-    kernel needs its package installed and computes in bfloat16 or float16 only."""
+    kernel needs its package installed and computes in bfloat16 or float16 only; ``sdpa_varlen`` needs a
+    torch with varlen attention."""
     import importlib.util
 
+    if attn_implementation == "sdpa_varlen" and importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return "sdpa_varlen needs torch 2.10 or later (torch.nn.attention.varlen); use sdpa"
     module = _ATTENTION_MODULES.get(attn_implementation)
     if module is None:
         return None
@@ -163,6 +167,10 @@ def _from_pretrained(
 ) -> Any:
     """``auto_class.from_pretrained`` with the attention kernel, naming the option when the model's class
     does not offer it."""
+    from roll.models import varlen_attention
+
+    if attn_implementation == varlen_attention.NAME:
+        varlen_attention.register()
     try:
         return auto_class.from_pretrained(
             str(path), local_files_only=True, attn_implementation=attn_implementation, **kwargs

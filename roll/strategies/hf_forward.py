@@ -6,9 +6,9 @@ Batch layout used across ROLL: ``prompt_ids``/``prompt_mask`` [B, P] left-padded
 contiguous, so position ids follow from the attention mask. Outputs are masked by the attention mask;
 callers weigh them with the loss mask.
 
-With a FlashAttention kernel the rows of a micro-batch are packed into one row without padding (position
-ids restart at each row's first token, and the kernel keeps the rows apart); the results are laid out
-[B, R] as above either way.
+With a varlen attention kernel (``PACKING_KERNELS``) the rows of a micro-batch are packed into one row
+without padding (position ids restart at each row's first token, and the kernel keeps the rows apart);
+the results are laid out [B, R] as above either way.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from roll.data.masks import last_index
 from roll.data.padding import position_ids_from_mask
 
 # Attention kernels that take packed rows without a mask over the whole pack: FlashAttention's varlen
-# kernels, which transformers uses when position ids restart inside a row and no attention mask is given.
-# sdpa and eager take packed rows too, but through a block-diagonal mask as long as the pack: they stay
-# padded, since attention then costs the square of the pack's length.
-PACKING_KERNELS = frozenset({"flash_attention_2", "flash_attention_3"})
+# kernels, which transformers uses when position ids restart inside a row and no attention mask is given,
+# and torch's own (``roll.strategies.varlen_attention``). sdpa and eager take packed rows too, but through
+# a block-diagonal mask as long as the pack: they stay padded, since attention then costs the square of
+# the pack's length.
+PACKING_KERNELS = frozenset({"flash_attention_2", "flash_attention_3", "sdpa_varlen"})
 
 
 def packs_sequences(model: torch.nn.Module) -> bool:
