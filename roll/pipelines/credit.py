@@ -16,6 +16,7 @@ from roll.algorithms.advantages import clip_advantages, whiten_advantages
 from roll.algorithms.functional import masked_mean
 from roll.algorithms.reward_shaping import clip_rewards, length_penalty, normalize_rewards, overlong_penalty
 from roll.config.rlvr import AlgorithmConfig, RewardShapingConfig
+from roll.data.batch import Batch
 from roll.data.masks import last_index
 from roll.utils.registry import accepted_kwargs
 
@@ -173,3 +174,27 @@ def advantage_metrics(advantages: torch.Tensor, returns: torch.Tensor, loss_mask
         "advantages/abs_mean": masked_mean(advantages.abs(), mask).item(),
         "returns/mean": masked_mean(returns, mask).item(),
     }
+
+
+def reward_metrics(
+    batch: Batch, shaped: torch.Tensor | None, real: torch.Tensor, grouped: bool
+) -> dict[str, float]:
+    """Rewards and lengths of a training batch's ``real`` rows (not those that only pad it to a divisor):
+    mean and spread, the share of groups that carry no GRPO signal (all one reward; only when ``grouped``:
+    with one sample per prompt every group trivially agrees), and the shaped reward's mean."""
+    scores, lengths = batch["scores"][real].float(), batch["response_mask"][real].sum(dim=1).float()
+    metrics = {
+        "reward/mean": scores.mean().item(),
+        "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
+        "response/length_mean": lengths.mean().item(),
+        "rollout/samples": int(real.sum()),  # trained rows: `roll plot --x samples` sums them
+    }
+    if grouped:
+        _, group = torch.unique(batch["group_index"][real], return_inverse=True)
+        count = int(group.max()) + 1
+        high = torch.full((count,), -torch.inf).scatter_reduce(0, group, scores, "amax")
+        low = torch.full((count,), torch.inf).scatter_reduce(0, group, scores, "amin")
+        metrics["reward/all_same_group_frac"] = (high == low).float().mean().item()
+    if shaped is not None:
+        metrics["reward/shaped_mean"] = shaped[real].mean().item()
+    return metrics

@@ -4,7 +4,7 @@ no Ray."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -74,3 +74,26 @@ def distill_advantages(
             rows = torch.tensor([t == tag for t in tags])
             metrics[f"distill/{tag}/teacher_kl"] = masked_mean(gap, mask * rows.float().unsqueeze(-1)).item()
     return advantages, metrics
+
+
+def teacher_advantages(
+    distill: OnPolicyDistillConfig,
+    batch: Batch,
+    loss_mask: torch.Tensor,
+    real: torch.Tensor,
+    teacher_logprobs: Callable[[str, Batch], torch.Tensor],
+    ranks: Callable[[str], int],
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """On-policy distillation's advantages and metrics: each row's teacher (``row_teachers``) scores the
+    sampled tokens, ``teacher_logprobs(role, rows)`` on that teacher's workers (the rows padded to a
+    multiple of its ``ranks(role)``); the policy's own logprobs of them are the old policy's when computed,
+    else the engine's (``distill_advantages``)."""
+    tags = row_teachers(batch, distill)
+    scored = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
+    tensors = batch.select_keys(batch.tensors)
+    for name in dict.fromkeys(tags):
+        role, rows = teacher_role(name), [i for i, tag in enumerate(tags) if tag == name]
+        part, _ = tensors.select(rows).pad_to_divisor(ranks(role))
+        scored[rows] = teacher_logprobs(role, part)[: len(rows)].to(torch.float32)
+    student = batch["old_logprobs"] if "old_logprobs" in batch else batch["rollout_logprobs"]
+    return distill_advantages(distill, student.to(torch.float32), scored, loss_mask, tags, real)

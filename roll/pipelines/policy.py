@@ -14,9 +14,7 @@ step itself reads like the algorithm:
 from __future__ import annotations
 
 import abc
-import contextlib
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,22 +41,23 @@ from roll.pipelines.credit import (
     advantage_metrics,
     compute_advantages,
     kl_per_token,
+    reward_metrics,
     shape_scores,
     shaping_enabled,
     token_level_rewards,
 )
-from roll.pipelines.onpolicy_distill import distill_advantages, row_teachers, teacher_role
+from roll.pipelines.onpolicy_distill import teacher_advantages
 from roll.pipelines.preflight import RunInputs, preflight
 from roll.pipelines.recovery import RestartBudget
 from roll.pipelines.roles import Role, RoleSet, cluster_options
 from roll.pipelines.run_dir import RunDirectory
 from roll.pipelines.run_loop import RunLoop
+from roll.pipelines.scheduler_slot import SchedulerSlot
 from roll.pipelines.sft import sft_warm_start, warm_started_model
 from roll.pipelines.supervisor import Supervisor
 from roll.pipelines.weight_publisher import WeightPublisher, rollout_transfer
 from roll.pipelines.worker_specs import device_roles, plan_workers, policy_roles, updates_per_step
-from roll.rollout.backend import BatchBackend, RayBackend, RewardDispatch, RolloutBackend
-from roll.rollout.router import RolloutRouter
+from roll.rollout.backend import RewardDispatch, RolloutBackend
 from roll.tracking import Tracker
 from roll.utils.signals import set_activity
 
@@ -85,11 +84,13 @@ class PolicyPipeline(RunLoop):
         self.config = config
         # The run's roles: their devices, live clusters (and standbys) and turns on shared devices.
         self.role_set = RoleSet({}, standby=config.checkpoint.standby_workers, **cluster_options(config))
-        self.scheduler: Any = None
         # The one count of the weights version the rollout workers hold; the scheduler is told each one.
         self.publisher = WeightPublisher(
             on_version=lambda version: self.scheduler.set_weights_version(version),
             before_sync=lambda: self.role_set.colocation.use("actor", "rollout"),
+        )
+        self.schedulers = SchedulerSlot(
+            self.make_scheduler, self.reward_dispatch, lambda: self.publisher.version
         )
         self.run_dir: RunDirectory | None = None
         inputs = inputs or preflight(config)
@@ -102,10 +103,8 @@ class PolicyPipeline(RunLoop):
             self.publisher,
             self._weight_sync,
             self.scheduler_roles,
-            self._rebuilt_scheduler,
+            lambda keeps: self.schedulers.rebuilt(keeps, lambda: (self.rollout, self.actor)),
         )
-        self._schedulers_made = 0
-        self._draining: RolloutBackend | None = None  # a closed scheduler's backend, see _close_scheduler
         try:
             self.run_dir = RunDirectory(config.output_dir, resume, overwrite)
             # Ray and the devices of a joined cluster come before anything is written: an impossible
@@ -179,44 +178,17 @@ class PolicyPipeline(RunLoop):
             self.publisher.reset()
         self.generator_role = "actor" if plan.hybrid_engine else "rollout"
         self.role_set.set_up(started)
-        self.scheduler = self._new_scheduler()
+        self.schedulers.start(self.rollout, self.actor)
         if self.rollout is not None:
             self.publisher.connect(self._weight_sync())
 
     def before_start(self) -> None:  # noqa: B027 - optional hook
         """Before the workers start (and start again after a restart)."""
 
-    def _close_scheduler(self, keeps_rollout: bool) -> None:
-        """Close the scheduler. Its calls still open on rollout workers that stay for the next one are
-        drained before that one starts (``_new_scheduler``), so none takes results meant for it."""
-        self.scheduler.close()
-        self._draining = self.scheduler.backend if keeps_rollout else None
-        self.scheduler = None
-
-    def _new_scheduler(self) -> Any:
-        if self._draining is not None:
-            self._draining.drain(DRAIN_S)
-            self._draining = None
-        if self.rollout is None:
-            backend: RolloutBackend = BatchBackend(self.actor, self.reward_dispatch())
-        else:
-            backend = RayBackend(RolloutRouter(self.rollout), self.reward_dispatch())
-        # After a recovery the rollout workers may still return requests of the scheduler before.
-        prefix = f"s{self._schedulers_made}-" if self._schedulers_made else ""
-        self._schedulers_made += 1
-        scheduler = self.make_scheduler(backend, prefix)
-        scheduler.set_weights_version(self.publisher.version)
-        return scheduler
-
-    @contextlib.contextmanager
-    def _rebuilt_scheduler(self, keeps_rollout: bool) -> Iterator[None]:
-        """The scheduler closed while lost workers it depends on are replaced (``Supervisor.replace``), then
-        started again from the old one's state, so the work in flight is done again by the new workers."""
-        state = self.scheduler.state_dict()
-        self._close_scheduler(keeps_rollout)
-        yield
-        self.scheduler = self._new_scheduler()
-        self.scheduler.load_state_dict(state)
+    @property
+    def scheduler(self) -> Any:
+        """The scheduler of this run's samples (a new one after each recovery of its workers)."""
+        return self.schedulers.current
 
     def _weight_sync(self) -> WeightSync:
         timeout_s = self.config.ray.call_timeout_s
@@ -342,7 +314,15 @@ class PolicyPipeline(RunLoop):
         distill = getattr(cfg, "distill", None)
         if distill is not None:
             with timer("teacher"):
-                taught = self._distillation_advantages(batch, mask, real, metrics)
+                taught, distill_metrics = teacher_advantages(
+                    distill,
+                    batch,
+                    mask,
+                    real,
+                    lambda role, rows: self._teacher_logprobs(role, rows, metrics),
+                    lambda role: self.role_set.live[role].world_size,
+                )
+            metrics.update(distill_metrics)
             advantages = taught if distill.mode == "pure" else advantages + taught
             returns = advantages  # no critic reads them (refused at load)
         batch["advantages"], batch["returns"] = advantages, returns
@@ -371,18 +351,14 @@ class PolicyPipeline(RunLoop):
         step_time = time.perf_counter() - start
         tokens = float(lengths[real].sum() + batch["prompt_mask"][real].sum())
         self.recent_samples = example_samples(batch, scores, self.tokenizer, cfg.tracking.samples_per_step)
-        scores = scores[real]
-        if self.plan.samples_per_prompt > 1:  # with one sample per prompt every "group" trivially agrees
-            groups = batch["group_index"][real]
-            metrics["reward/all_same_group_frac"] = _all_same_group_fraction(scores, groups)
-        if shaping_enabled(algo.reward_shaping):
-            metrics["reward/shaped_mean"] = shaped[real].mean().item()
-        metrics.update(self.step_metrics(batch, scores))
+        metrics.update(self.step_metrics(batch, scores[real]))
         return {
-            "reward/mean": scores.mean().item(),
-            "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
-            "response/length_mean": lengths[real].mean().item(),
-            "rollout/samples": int(real.sum()),  # trained rows: `roll plot --x samples` sums them
+            **reward_metrics(
+                batch,
+                shaped if shaping_enabled(algo.reward_shaping) else None,
+                real,
+                grouped=self.plan.samples_per_prompt > 1,
+            ),
             **advantage_metrics(advantages, returns, mask),
             **metrics,
             **timer.metrics(),
@@ -390,30 +366,13 @@ class PolicyPipeline(RunLoop):
             "throughput/tokens_per_s": tokens / step_time,
         }
 
-    def _distillation_advantages(
-        self, batch: Batch, mask: torch.Tensor, real: torch.Tensor, metrics: dict[str, float]
-    ) -> torch.Tensor:
-        """On-policy distillation: each row's teacher scores the sampled tokens; the advantage is the
-        negated per-token reverse KL against the policy's own logprobs of them (``onpolicy_distill``)."""
-        distill, temperature = self.config.distill, self.config.rollout.temperature
-        tags = row_teachers(batch, distill)
-        teacher_logprobs = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
-        tensors = _tensors(batch)
-        for name in dict.fromkeys(tags):
-            role, rows = teacher_role(name), [i for i, tag in enumerate(tags) if tag == name]
-            part, _ = tensors.select(rows).pad_to_divisor(self.role_set.live[role].world_size)
-            with self.role_set.on_device(role, metrics=metrics):
-                scored = self.supervisor.guard(
-                    lambda role=role, part=part: self.role_set.get(role).compute_logprobs(part, temperature)
-                )
-            teacher_logprobs[rows] = scored["logprobs"][: len(rows)].to(torch.float32)
-        # The policy's logprobs of its own samples: the old policy's when computed, else the engine's.
-        student = batch["old_logprobs"] if "old_logprobs" in batch else batch["rollout_logprobs"]
-        advantages, distill_metrics = distill_advantages(
-            distill, student.to(torch.float32), teacher_logprobs, mask, tags, real
-        )
-        metrics.update(distill_metrics)
-        return advantages
+    def _teacher_logprobs(self, role: str, rows: Batch, metrics: dict[str, float]) -> torch.Tensor:
+        """On-policy distillation: a teacher's logprobs of the sampled tokens of ``rows``."""
+        with self.role_set.on_device(role, metrics=metrics):
+            scored = self.supervisor.guard(
+                lambda: self.role_set.get(role).compute_logprobs(rows, self.config.rollout.temperature)
+            )
+        return scored["logprobs"]
 
     def _forward_passes(self, batch: Batch, metrics: dict[str, float]) -> Batch:
         """Reference logprobs, old-policy logprobs and critic values, as needed.
@@ -464,26 +423,11 @@ class PolicyPipeline(RunLoop):
 
     def _stop_workers(self, keep: frozenset[str] | set[str] = frozenset()) -> None:
         """Stop the scheduler, the weight transfer and every worker but the roles in ``keep``."""
-        if self.scheduler is not None:
-            self._close_scheduler(keeps_rollout="rollout" in keep and self.rollout is not None)
+        self.schedulers.close(keeps_rollout="rollout" in keep and self.rollout is not None)
         self.publisher.close()
         self.role_set.stop(keep)
-
-
-# How long a closing scheduler waits for its open calls on rollout workers that a new one takes over
-# (a collect_finished returns within the router's 1 s wait).
-DRAIN_S = 5.0
 
 
 def _tensors(batch: Batch) -> Batch:
     """The tensor fields only: trainer, reference and critic workers read no text."""
     return batch.select_keys(batch.tensors)
-
-
-def _all_same_group_fraction(scores: torch.Tensor, group_index: torch.Tensor) -> float:
-    """Share of groups whose samples all got the same reward: they carry no GRPO learning signal."""
-    _, dense = torch.unique(group_index, return_inverse=True)
-    count = int(dense.max()) + 1
-    high = torch.full((count,), -torch.inf).scatter_reduce(0, dense, scores.float(), "amax")
-    low = torch.full((count,), torch.inf).scatter_reduce(0, dense, scores.float(), "amin")
-    return (high == low).float().mean().item()

@@ -7,11 +7,12 @@ environment worker that stops answering holds up nobody (its calls fail at the l
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from roll.envs.pool import EnvPool, EnvResult
 
-__all__ = ["EnvClient", "LocalEnvs", "RayEnvs"]
+__all__ = ["EnvCalls", "EnvClient", "LocalEnvs", "RayEnvs"]
 
 
 class EnvClient(Protocol):
@@ -35,6 +36,67 @@ class EnvClient(Protocol):
     def close(self, episode_ids: list[str]) -> None:
         """Forget the episodes and close their envs, without waiting. An episode with a reset or step out
         must not be closed before its result is polled: the close could overtake that call."""
+
+
+class EnvCalls:
+    """The calls an episode scheduler has out on an ``EnvClient``: which episodes wait for a reset or a
+    step (and since when), and closes held back until such a call comes back, since a close sent
+    meanwhile could overtake it on the env worker (and a reset would then start an env nobody closes)."""
+
+    def __init__(self, envs: EnvClient, clock: Callable[[], float]):
+        self.envs, self.clock = envs, clock
+        self._resetting: set[str] = set()
+        self._stepping: dict[str, float] = {}  # episode id -> when its step was sent
+        self._held: set[str] = set()  # closed while a call was out: closed when it comes back
+
+    def reset(self, requests: list[tuple[str, int]]) -> None:
+        self._resetting.update(eid for eid, _ in requests)
+        self.envs.send_resets(requests)
+
+    def step(self, actions: list[tuple[str, str]]) -> None:
+        now = self.clock()
+        self._stepping.update((eid, now) for eid, _ in actions)
+        self.envs.send(actions)
+
+    def waiting(self, episode_id: str) -> bool:
+        """Whether the episode waits for its env's answer to a reset or a step."""
+        return episode_id in self._resetting or episode_id in self._stepping
+
+    def answered(self, results: list[EnvResult]) -> list[tuple[EnvResult, float | None]]:
+        """The results still wanted, each with None for a reset or the seconds since its step was sent.
+        Those of episodes closed meanwhile are left out, and their envs closed now."""
+        wanted, closing = [], []
+        now = self.clock()
+        for result in results:
+            eid = result.episode_id
+            if eid in self._held:
+                self._held.discard(eid)
+                closing.append(eid)
+            elif eid in self._resetting:
+                self._resetting.discard(eid)
+                wanted.append((result, None))
+            elif eid in self._stepping:
+                wanted.append((result, now - self._stepping.pop(eid)))
+        if closing:
+            self.envs.close(closing)
+        return wanted
+
+    def close(self, episode_ids: Iterable[str]) -> None:
+        """Close the episodes' envs: now, or for one with a call out, when that call comes back."""
+        episode_ids = list(episode_ids)
+        out = {eid for eid in episode_ids if self.waiting(eid)}
+        self._held |= out
+        self.envs.close([eid for eid in episode_ids if eid not in out])
+        for eid in out:
+            self._resetting.discard(eid)
+            self._stepping.pop(eid, None)
+
+    def close_held(self) -> None:
+        """Close the envs held back too: no poll will take their calls' results now. A close that overtakes
+        its episode's reset on the worker makes that reset close its env (``EnvPool``)."""
+        if self._held:
+            self.envs.close(sorted(self._held))
+            self._held.clear()
 
 
 class LocalEnvs:

@@ -1,15 +1,16 @@
 """What a batch of episodes did: success, return, turns, invalid actions, tokens, stop reasons, tool
-calls and the action histogram (a policy collapsing onto one action shows there first)."""
+calls and the action histogram (a policy collapsing onto one action shows there first); and what the
+episode scheduler saw meanwhile: env failures, dropped and stale groups, staleness."""
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from roll.rollout.episode import Episode, StopReason, Turn
 from roll.rollout.tool_calls import tool_metrics
 
-__all__ = ["episode_metrics"]
+__all__ = ["episode_metrics", "scheduler_metrics"]
 
 # At most this many distinct actions get a histogram entry (a policy writing free text would make one
 # per turn); the rest are counted under actions/other.
@@ -53,3 +54,25 @@ def _label(turn: Turn) -> str:
     if not turn.acted:
         return "unfinished"
     return turn.text.strip() if turn.action_is_valid else "invalid"
+
+
+def scheduler_metrics(
+    episodes: Sequence[Episode], counts: Mapping[str, int], env_seconds: Sequence[float], weights_version: int
+) -> dict[str, float]:
+    """The env calls' failure rates and time, the groups dropped, aborted and stale (``counts`` since the
+    last batch), and how many weights versions behind ``weights_version`` each episode's oldest token is."""
+    calls = max(counts.get("env_calls", 0), 1)
+    oldest = [min((v for v in e.versions if v >= 0), default=weights_version) for e in episodes]
+    staleness = [weights_version - version for version in oldest]
+    return {
+        "env/error_frac": counts.get("env_errors", 0) / calls,
+        "env/timeout_frac": counts.get("env_timeouts", 0) / calls,
+        "env/retried_frac": counts.get("env_retried", 0) / calls,
+        # From sending an episode's step to taking its result: the env's time plus the call's.
+        "env/step_s": sum(env_seconds) / max(len(env_seconds), 1),
+        "rollout/dropped_groups": float(counts.get("dropped_groups", 0)),
+        "rollout/aborted_episodes": float(counts.get("aborted_episodes", 0)),
+        "rollout/stale_groups": float(counts.get("stale_groups", 0)),
+        "rollout/staleness_mean": sum(staleness) / max(len(staleness), 1),
+        "rollout/staleness_max": float(max(staleness, default=0)),
+    }

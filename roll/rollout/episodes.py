@@ -44,8 +44,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from roll.data.batch import Batch
@@ -53,10 +52,11 @@ from roll.data.chat_turns import ChatTurns
 from roll.envs.pool import ERROR, OK, EnvResult
 from roll.envs.seeds import SeedOrder
 from roll.rollout.backend import RolloutBackend
-from roll.rollout.env_clients import EnvClient
-from roll.rollout.episode import Episode, EpisodeBudget, StopReason
+from roll.rollout.env_clients import EnvCalls, EnvClient
+from roll.rollout.episode import Episode, StopReason
 from roll.rollout.episode_batch import trajectory_batch, turn_batch
-from roll.rollout.episode_metrics import episode_metrics
+from roll.rollout.episode_group import EpisodeGroup, EpisodeSpec
+from roll.rollout.episode_metrics import episode_metrics, scheduler_metrics
 from roll.rollout.group_scheduler import GroupScheduler
 from roll.rollout.tool_calls import ToolFailureMonitor
 from roll.strategies.requests import GenerateRequest, SamplingParams
@@ -65,51 +65,6 @@ __all__ = ["EpisodeScheduler", "EpisodeSpec", "episode_metrics"]
 
 # How long a poll for turns waits while env steps are out too (their results are taken after it).
 ENV_POLL_S = 0.005
-
-
-@dataclass(frozen=True)
-class EpisodeSpec:
-    """What one step gathers: ``groups_per_step`` groups of ``group_size`` episodes (``redundancy``
-    extra started per group), each within ``budget``. ``history_turns`` None: one sample per episode;
-    a number: one sample per turn, each turn generated from that many turns of history (step-wise), the
-    batch padded to a multiple of ``divisor`` rows. ``async_generation_ratio``: steps played ahead while
-    the actor trains (0: synchronous)."""
-
-    groups_per_step: int
-    group_size: int
-    budget: EpisodeBudget
-    redundancy: int = 0
-    stop_policy: Mapping[str, str] = field(default_factory=dict)  # stop reason -> train, mask or zero
-    history_turns: int | None = None
-    divisor: int = 1
-    max_tool_failure_frac: float | None = None  # stop when more tool calls fail (ToolFailureMonitor)
-    async_generation_ratio: int = 0
-
-    @property
-    def max_dropped_groups(self) -> int:
-        """Dropped groups one step tolerates; one more stops the step, and the run, with the env's error."""
-        return 4 * self.groups_per_step + 8
-
-
-@dataclass(eq=False)  # identity: a group is one object
-class _Group:
-    group_id: int
-    seed: int
-    episodes: dict[str, Episode]
-    worker: int
-    params: SamplingParams
-    training: bool  # a training seed's group (not a held-out episode of the evaluation)
-    size: int  # episodes that complete it
-    start_version: int  # the weights version when it started
-    ended: list[str] = field(default_factory=list)  # the episodes it keeps as samples, once complete
-    released: set[str] = field(default_factory=set)  # episodes whose kept KV the engine was told to free
-    closed: bool = False
-    complete: bool = False
-
-    def oldest_version(self) -> int:
-        """The oldest weights version of any token it sampled (its start version before the first)."""
-        versions = [v for e in self.episodes.values() for v in e.versions if v >= 0]
-        return min(versions, default=self.start_version)
 
 
 class EpisodeScheduler(GroupScheduler):
@@ -143,24 +98,28 @@ class EpisodeScheduler(GroupScheduler):
         clock: Callable[[], float] = time.perf_counter,
     ):
         super().__init__()
-        self.backend, self.envs, self.chat, self.spec = backend, envs, chat, spec
+        self._env_calls = EnvCalls(envs, clock)
+        self.backend, self.chat, self.spec = backend, chat, spec
         self.params, self.seeds, self.pad_id = params, seeds, pad_id
         self.id_prefix, self.poll_s, self.clock = id_prefix, poll_s, clock
         self._next_group = 0
-        self._requests: dict[str, tuple[_Group, str]] = {}  # request id -> (group, episode id)
-        self._live: list[_Group] = []  # groups playing, in draw order
-        self._to_start: list[_Group] = []  # evaluation groups waiting for the next pump
-        self._complete: list[_Group] = []  # complete training groups not yet in a batch
-        self._group_of: dict[str, _Group] = {}  # live episode id -> its group
-        self._resetting: set[str] = set()  # live episodes whose env reset was sent and has not come back
-        self._stepping: dict[str, float] = {}  # episode id -> when its env step was sent
-        # Episodes of ended groups whose reset or step was still out: closed once it comes back, since a
-        # close sent meanwhile could overtake it on the env worker (and a reset would then start an env
-        # nobody closes).
-        self._closing: set[str] = set()
+        self._requests: dict[str, tuple[EpisodeGroup, str]] = {}  # request id -> (group, episode id)
+        self._live: list[EpisodeGroup] = []  # groups playing, in draw order
+        self._to_start: list[EpisodeGroup] = []  # evaluation groups waiting for the next pump
+        self._complete: list[EpisodeGroup] = []  # complete training groups not yet in a batch
+        self._group_of: dict[str, EpisodeGroup] = {}  # live episode id -> its group
         self._counts: collections.Counter[str] = collections.Counter()
         self._env_seconds: list[float] = []
         self._tools = ToolFailureMonitor(spec.max_tool_failure_frac)
+
+    @property
+    def envs(self) -> EnvClient:
+        """The environments of the live episodes."""
+        return self._env_calls.envs
+
+    @envs.setter
+    def envs(self, envs: EnvClient) -> None:
+        self._env_calls.envs = envs
 
     # ----- the pipeline's calls ------------------------------------------------------------------------
 
@@ -200,11 +159,7 @@ class EpisodeScheduler(GroupScheduler):
                     self._close(group)
                 except Exception:  # noqa: BLE001 - a lost worker is the pipeline's to replace, not close's
                     self._live = [g for g in self._live if g is not group]
-            # No poll will take their calls' results now. A close that overtakes its episode's reset on the
-            # worker makes that reset close its env (``EnvPool``); on a lost worker it never runs.
-            if self._closing:
-                self.envs.close(sorted(self._closing))
-                self._closing.clear()
+            self._env_calls.close_held()  # on a lost worker they never run
 
     # ----- pumping ---------------------------------------------------------------------------------------
 
@@ -244,11 +199,11 @@ class EpisodeScheduler(GroupScheduler):
             seeds = [self.seeds.next() for _ in range(wanted - have)]
             self._start([self._new_group(seed, size, self.params, training=True) for seed in seeds])
 
-    def _new_group(self, seed: int, episodes: int, params: SamplingParams, training: bool) -> _Group:
+    def _new_group(self, seed: int, episodes: int, params: SamplingParams, training: bool) -> EpisodeGroup:
         group_id = self._next_group
         self._next_group += 1
         ids = [f"{self.id_prefix}g{group_id}e{k}" for k in range(episodes)]
-        return _Group(
+        return EpisodeGroup(
             group_id,
             seed,
             {eid: Episode(None, seed, self.chat, self.spec.budget, self.spec.history_turns) for eid in ids},
@@ -259,15 +214,14 @@ class EpisodeScheduler(GroupScheduler):
             start_version=self.weights_version,
         )
 
-    def _start(self, groups: list[_Group]) -> None:
+    def _start(self, groups: list[EpisodeGroup]) -> None:
         """Send the resets of the groups' environments (one call per env worker); each episode starts
         when its reset comes back (``_on_env``)."""
         self._live += groups
         self._group_of.update({eid: group for group in groups for eid in group.episodes})
         requests = [(eid, group.seed) for group in groups for eid in group.episodes]
         if requests:
-            self._resetting.update(eid for eid, _ in requests)
-            self.envs.send_resets(requests)
+            self._env_calls.reset(requests)
 
     def _send(self) -> None:
         """The next turn of every live episode waiting for one."""
@@ -275,7 +229,7 @@ class EpisodeScheduler(GroupScheduler):
         by_worker: dict[int, list[GenerateRequest]] = collections.defaultdict(list)
         for group in self._live:
             for eid, episode in group.episodes.items():
-                if eid in in_flight or eid in self._resetting or eid in self._stepping or episode.done:
+                if eid in in_flight or self._env_calls.waiting(eid) or episode.done:
                     continue
                 context, room = episode.next_request()
                 request_id = f"{eid}t{len(episode.turns)}"
@@ -288,7 +242,7 @@ class EpisodeScheduler(GroupScheduler):
         for worker, requests in by_worker.items():
             self.backend.submit(worker, requests)
 
-    def _on_generated(self, results: list[Any]) -> list[_Group]:
+    def _on_generated(self, results: list[Any]) -> list[EpisodeGroup]:
         """Append each finished turn to its episode and send the env steps of those that go on."""
         actions, touched = [], []
         for result in results:
@@ -301,51 +255,32 @@ class EpisodeScheduler(GroupScheduler):
             action = episode.add_turn(result.token_ids, result.logprobs, versions, result.finish_reason)
             if action is not None:
                 actions.append((eid, action))
-                self._stepping[eid] = self.clock()
             touched.append(group)
         if actions:
-            self.envs.send(actions)
+            self._env_calls.step(actions)
         return touched
 
-    def _on_env(self, results: list[EnvResult]) -> list[_Group]:
+    def _on_env(self, results: list[EnvResult]) -> list[EpisodeGroup]:
         """The env's answers to resets and steps: an episode started, its observation appended, or the
         episode ended by its env's failure."""
-        touched, closing = [], []
-        now = self.clock()
-        for result in results:
-            eid = result.episode_id
-            if eid in self._closing:  # the group ended meanwhile (its other episodes completed it)
-                self._closing.discard(eid)
-                closing.append(eid)
-                continue
-            group = self._group_of.get(eid)
+        touched = []
+        for result, seconds in self._env_calls.answered(results):
+            group = self._group_of.get(result.episode_id)
             if group is None:
                 continue
-            episode = group.episodes[eid]
-            if eid in self._resetting:
-                self._resetting.discard(eid)
-                self._count_env(result, group)
-                if result.status == OK:
-                    episode.start(result.observation)
-                else:
-                    episode.end(_failure(result), RuntimeError(result.error))
-                touched.append(group)
-                continue
-            sent = self._stepping.pop(eid, None)
-            if sent is None:
-                continue
-            if group.training:
-                self._env_seconds.append(now - sent)
+            episode = group.episodes[result.episode_id]
             self._count_env(result, group)
-            if result.status == OK:
+            if result.status != OK:
+                episode.end(_failure(result), RuntimeError(result.error))
+            elif seconds is None:  # a reset
+                episode.start(result.observation)
+            else:
                 episode.observe(
                     result.observation, result.reward, result.terminated, result.truncated, result.info
                 )
-            else:
-                episode.end(_failure(result), RuntimeError(result.error))
+            if seconds is not None and group.training:
+                self._env_seconds.append(seconds)
             touched.append(group)
-        if closing:
-            self.envs.close(closing)
         return touched
 
     def _settle(self, groups: Any) -> None:
@@ -378,7 +313,7 @@ class EpisodeScheduler(GroupScheduler):
                         f"their environment failed; the last error: {errors[-1] if errors else 'unknown'}"
                     )
 
-    def _close(self, group: _Group) -> None:
+    def _close(self, group: EpisodeGroup) -> None:
         """End the group: abort its turns in flight, end its unfinished episodes (redundant ones, or those
         of a dropped group) and close its environments."""
         group.closed = True
@@ -397,15 +332,11 @@ class EpisodeScheduler(GroupScheduler):
             episode.end(StopReason.ABORTED)
         if group.training:
             self._counts["aborted_episodes"] += len(unfinished)
-        out = {eid for eid in group.episodes if eid in self._resetting or eid in self._stepping}
-        self._closing |= out  # closed when their call comes back (``_on_env``)
-        self.envs.close([eid for eid in group.episodes if eid not in out])
+        self._env_calls.close(group.episodes)
         for eid in group.episodes:
             self._group_of.pop(eid, None)
-            self._resetting.discard(eid)
-            self._stepping.pop(eid, None)
 
-    def _is_stale(self, group: _Group) -> bool:
+    def _is_stale(self, group: EpisodeGroup) -> bool:
         ratio = self.spec.async_generation_ratio
         return bool(ratio) and group.training and group.oldest_version() < self.stale_before()
 
@@ -421,7 +352,7 @@ class EpisodeScheduler(GroupScheduler):
         self.seeds.pending.extendleft(group.seed for group in sorted(stale, key=lambda g: -g.group_id))
         self._counts["stale_groups"] += len(stale)
 
-    def _count_env(self, result: EnvResult, group: _Group) -> None:
+    def _count_env(self, result: EnvResult, group: EpisodeGroup) -> None:
         """Count a training episode's env call (evaluation's would blur the step's rates)."""
         if not group.training:
             return
@@ -438,7 +369,7 @@ class EpisodeScheduler(GroupScheduler):
         with self._lock:
             return self._next_groups() is not None
 
-    def _next_groups(self) -> list[_Group] | None:
+    def _next_groups(self) -> list[EpisodeGroup] | None:
         """The first ``groups_per_step`` training groups in draw order, once all of them are complete and
         none is stale (the pumping thread drops those first); None while not ready."""
         drawn = sorted([g for g in self._live if g.training] + self._complete, key=lambda g: g.group_id)
@@ -447,17 +378,17 @@ class EpisodeScheduler(GroupScheduler):
             return None
         return None if any(self._is_stale(g) for g in first) else first
 
-    def _take_batch(self) -> list[_Group] | None:
+    def _take_batch(self) -> list[EpisodeGroup] | None:
         first = self._next_groups()
         for group in first or []:
             self._complete.remove(group)
         return first
 
-    def _batch(self, groups: list[_Group]) -> tuple[Batch, dict[str, float]]:
+    def _batch(self, groups: list[EpisodeGroup]) -> tuple[Batch, dict[str, float]]:
         with self._lock:
             return self._episode_batch(groups)
 
-    def _episode_batch(self, groups: list[_Group]) -> tuple[Batch, dict[str, float]]:
+    def _episode_batch(self, groups: list[EpisodeGroup]) -> tuple[Batch, dict[str, float]]:
         spec = self.spec
         rows = [(group, eid) for group in groups for eid in group.ended[: spec.group_size]]
         episodes = [group.episodes[eid] for group, eid in rows]
@@ -475,24 +406,7 @@ class EpisodeScheduler(GroupScheduler):
     def _metrics(self, episodes: list[Episode]) -> dict[str, float]:
         """The batch's episode metrics, and what the env calls, drops and aborts since the last batch."""
         metrics = episode_metrics(episodes, "episode")
-        counts, calls = self._counts, max(self._counts["env_calls"], 1)
-        # How many weights versions behind the current one each episode's oldest token is.
-        oldest = [min((v for v in e.versions if v >= 0), default=self.weights_version) for e in episodes]
-        staleness = [self.weights_version - version for version in oldest]
-        metrics.update(
-            {
-                "env/error_frac": counts["env_errors"] / calls,
-                "env/timeout_frac": counts["env_timeouts"] / calls,
-                "env/retried_frac": counts["env_retried"] / calls,
-                # From sending an episode's step to taking its result: the env's time plus the call's.
-                "env/step_s": sum(self._env_seconds) / max(len(self._env_seconds), 1),
-                "rollout/dropped_groups": float(counts["dropped_groups"]),
-                "rollout/aborted_episodes": float(counts["aborted_episodes"]),
-                "rollout/stale_groups": float(counts["stale_groups"]),
-                "rollout/staleness_mean": sum(staleness) / max(len(staleness), 1),
-                "rollout/staleness_max": float(max(staleness, default=0)),
-            }
-        )
+        metrics.update(scheduler_metrics(episodes, self._counts, self._env_seconds, self.weights_version))
         self._counts.clear()
         self._env_seconds.clear()
         return metrics

@@ -1,0 +1,58 @@
+"""What the episode scheduler (``roll.rollout.episodes``) plays: the spec of a step's groups, and one
+group of episodes from one seed with its bookkeeping."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from roll.rollout.episode import Episode, EpisodeBudget
+from roll.strategies.requests import SamplingParams
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """What one step gathers: ``groups_per_step`` groups of ``group_size`` episodes (``redundancy``
+    extra started per group), each within ``budget``. ``history_turns`` None: one sample per episode;
+    a number: one sample per turn, each turn generated from that many turns of history (step-wise), the
+    batch padded to a multiple of ``divisor`` rows. ``async_generation_ratio``: steps played ahead while
+    the actor trains (0: synchronous)."""
+
+    groups_per_step: int
+    group_size: int
+    budget: EpisodeBudget
+    redundancy: int = 0
+    stop_policy: Mapping[str, str] = field(default_factory=dict)  # stop reason -> train, mask or zero
+    history_turns: int | None = None
+    divisor: int = 1
+    max_tool_failure_frac: float | None = None  # stop when more tool calls fail (ToolFailureMonitor)
+    async_generation_ratio: int = 0
+
+    @property
+    def max_dropped_groups(self) -> int:
+        """Dropped groups one step tolerates; one more stops the step, and the run, with the env's error."""
+        return 4 * self.groups_per_step + 8
+
+
+@dataclass(eq=False)  # identity: a group is one object
+class EpisodeGroup:
+    """The episodes of one seed, played on one rollout worker; complete once its first ``size`` episodes
+    in start order that did not fail have ended."""
+
+    group_id: int
+    seed: int
+    episodes: dict[str, Episode]
+    worker: int
+    params: SamplingParams
+    training: bool  # a training seed's group (not a held-out episode of the evaluation)
+    size: int  # episodes that complete it
+    start_version: int  # the weights version when it started
+    ended: list[str] = field(default_factory=list)  # the episodes it keeps as samples, once complete
+    released: set[str] = field(default_factory=set)  # episodes whose kept KV the engine was told to free
+    closed: bool = False
+    complete: bool = False
+
+    def oldest_version(self) -> int:
+        """The oldest weights version of any token it sampled (its start version before the first)."""
+        versions = [v for e in self.episodes.values() for v in e.versions if v >= 0]
+        return min(versions, default=self.start_version)
