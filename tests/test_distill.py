@@ -78,9 +78,12 @@ def test_preflight_refuses_a_teacher_with_another_tokenizer_and_k_beyond_the_voc
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # 25-40 s: kept out of the fast tier
 def test_a_teacher_equal_to_the_student_gives_zero_divergence_and_no_gradient(
     tmp_path, tiny_model_path, at_repo_root, ray_session
 ):
+    """A whole distillation step through teacher and student workers: with the teacher the student itself,
+    the dense divergence and its gradient are zero. Only a run joins the cached teacher pass and the loss."""
     from roll.pipelines import run_pipeline
 
     out = tmp_path / "same"

@@ -352,9 +352,12 @@ def test_a_precomputed_reference_trains_exactly_like_a_reference_worker_and_is_r
     assert len(list(cache.iterdir())) == 3
 
 
+@pytest.mark.slow  # 25-40 s: kept out of the fast tier
 def test_with_lora_the_reference_is_the_base_model_with_the_adapter_off(
     tmp_path, tiny_model_path, at_repo_root, ray_session
 ):
+    """A DPO run with LoRA scores its reference on the actor with the adapter switched off: the first
+    step's loss is exactly log 2, and the margins then grow. It takes a run's workers and three steps."""
     rows = run_dpo(
         tmp_path,
         tiny_model_path,

@@ -194,6 +194,7 @@ def test_probe_passes_equal_weights_and_names_the_version_of_a_sync_that_deliver
         probe.compare(7, trainer, [good, bad])
 
 
+@pytest.mark.slow  # 25-40 s: kept out of the fast tier
 @pytest.mark.usefixtures("ray_session")
 def test_fsdp_lora_syncs_the_adapter_and_the_probe_stops_a_sync_that_loaded_nothing(
     tiny_model_path, batch, tokenizer

@@ -99,7 +99,10 @@ def test_sync_scheduler_gives_the_batch_of_batch_generation_then_batch_scoring(
 # on a controlled clock). Timing it here on real workers compared two clocks and failed CI once.
 
 
+@pytest.mark.slow  # 25-40 s: kept out of the fast tier
 def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tiny_model_path, prompts, tokenizer):
+    """Dynamic sampling over real rollout and reward workers: two batches hold only groups whose rewards
+    differ, drawing more prompts to fill them. The logic is tested on fakes; this is its Ray wiring."""
     rollout, scorer = start(tiny_model_path, 2, reward="test_even_rows_agree")
     sched = make_scheduler(rollout, scorer, prompts, tokenizer, group_filters=["equal_rewards"])
     try:

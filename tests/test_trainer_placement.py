@@ -14,7 +14,10 @@ from roll.pipelines.sft import SFTPipeline
 pytestmark = pytest.mark.usefixtures("ray_session", "at_repo_root")
 
 
+@pytest.mark.slow  # 25-40 s: kept out of the fast tier
 def test_sft_ranks_run_on_their_mapped_devices_and_give_them_back(tmp_path) -> None:
+    """SFT's two trainer ranks see exactly their mapped logical GPUs, and the run gives the devices back
+    at shutdown. It starts a whole SFT pipeline's workers."""
     overrides = [f"output_dir={tmp_path / 'run'}", "train.device_mapping=[2,3]", "ray.num_gpus=4"]
     pipeline = SFTPipeline(load_config("examples/sft.yaml", overrides))
     try:

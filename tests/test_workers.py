@@ -84,6 +84,7 @@ def test_generate_returns_masked_responses_and_matching_logprobs(one_slot_rollou
     torch.testing.assert_close(recomputed, batch["rollout_logprobs"], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # 25-40 s: kept out of the fast tier
 def test_weight_transfer_makes_rollout_match_trainer(tiny_model_path, prompts):
     """Two FSDP2 trainer ranks send to two rollout workers in small buckets; afterwards the engines'
     logprobs equal the trainer's (tolerance 1e-5: the same fp32 weights, bit for bit)."""
