@@ -32,11 +32,9 @@ class SchedulerSlot:
         reward_dispatch: Callable[[], RewardDispatch],
         weights_version: Callable[[], int],
     ):
-        self.make_scheduler, self.reward_dispatch, self.weights_version = (
-            make_scheduler,
-            reward_dispatch,
-            weights_version,
-        )
+        self.make_scheduler = make_scheduler
+        self.reward_dispatch = reward_dispatch
+        self.weights_version = weights_version
         self.current: Any = None
         self._made = 0
         self._draining: RolloutBackend | None = None  # a closed scheduler's backend, see close
