@@ -165,6 +165,48 @@ def test_sdpa_varlen_is_sdpa_for_padded_rows_and_cached_decoding(tiny_model_path
     assert torch.equal(generated[1], generated[0])
 
 
+def test_sdpa_varlen_refuses_to_pack_sliding_window_layers() -> None:
+    """sdpa would attend across the packed sequences there: an error naming the option, not a wrong loss."""
+    import roll.models.varlen_attention as varlen_attention
+
+    q = torch.randn(1, 2, 6, 8)
+    with pytest.raises(ValueError, match="sdpa_varlen does not pack a model with sliding-window"):
+        varlen_attention.varlen_attention_forward(
+            torch.nn.Module(),
+            q,
+            q,
+            q,
+            None,
+            sliding_window=4,
+            position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]),
+        )
+    from transformers import MistralConfig, Qwen2Config
+
+    assert varlen_attention.has_sliding_window(MistralConfig())
+    assert varlen_attention.has_sliding_window(Qwen2Config(use_sliding_window=True, sliding_window=8))
+    assert not varlen_attention.has_sliding_window(Qwen2Config())
+    # Unpacked (a padding mask, or a KV cache), sliding windows are sdpa's to handle.
+    out, _ = varlen_attention.varlen_attention_forward(
+        torch.nn.Module(), q, q, q, torch.ones(1, 1, 6, 6, dtype=torch.bool), sliding_window=4
+    )
+    assert out.shape == (1, 6, 2, 8)
+
+
+def test_sdpa_varlen_refuses_a_sliding_window_model_at_load(tiny_model_path: str, tmp_path) -> None:
+    import json
+    import shutil
+
+    path = shutil.copytree(tiny_model_path, tmp_path / "windowed")
+    config = json.loads((path / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention"])
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match="sliding-window attention layers cannot be packed this way. Use sdpa"
+    ):
+        load_causal_lm(path, attn_implementation="sdpa_varlen")
+    load_causal_lm(path, attn_implementation="sdpa")  # the model itself loads
+
+
 def test_packed_sequences_start_where_positions_restart() -> None:
     assert sequence_starts(torch.tensor([[0, 1, 2, 0, 1, 0]])).tolist() == [0, 3, 5, 6]
     assert sequence_starts(torch.tensor([[4, 5, 6]])).tolist() == [0, 3]  # one sequence, offset

@@ -170,6 +170,13 @@ def _from_pretrained(
     from roll.models import varlen_attention
 
     if attn_implementation == varlen_attention.NAME:
+        from transformers import AutoConfig
+
+        if varlen_attention.has_sliding_window(AutoConfig.from_pretrained(str(path), local_files_only=True)):
+            raise ValueError(
+                f"model.attn_implementation=sdpa_varlen cannot load {path}: its sliding-window attention "
+                "layers cannot be packed this way. Use sdpa"
+            )
         varlen_attention.register()
     try:
         return auto_class.from_pretrained(

@@ -32,6 +32,15 @@ def sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, ends]).to(torch.int32)
 
 
+def has_sliding_window(config) -> bool:
+    """Whether a model of ``config`` has sliding-window attention layers (e.g. Mistral's, or Qwen2's with
+    ``use_sliding_window``): packing refuses them, since sdpa would attend across the packed sequences."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return "sliding_attention" in layer_types
+    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+
+
 def _packed(query: torch.Tensor, key: torch.Tensor, attention_mask, position_ids) -> bool:
     return (
         attention_mask is None
@@ -54,11 +63,12 @@ def varlen_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: ``query`` [B, H, L, D] and ``key``/``value``
     [B, H_kv, L, D] in, [B, L, H, D] out. Causal attention within each packed sequence of a one-row
-    batch; anything else goes to ``sdpa``."""
+    batch (attention dropout, when training with it, through the per-sequence calls; sliding-window
+    layers refused); anything else goes to ``sdpa``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     position_ids = kwargs.get("position_ids")
-    if not _packed(query, key, attention_mask, position_ids) or dropout or sliding_window:
+    if not _packed(query, key, attention_mask, position_ids):
         return sdpa_attention_forward(
             module,
             query,
@@ -70,10 +80,15 @@ def varlen_attention_forward(
             sliding_window=sliding_window,
             **kwargs,
         )
+    if sliding_window:  # refused at load (``has_sliding_window``); never silently wrong
+        raise ValueError(
+            "model.attn_implementation=sdpa_varlen does not pack a model with sliding-window attention; "
+            "use sdpa"
+        )
     offsets = sequence_starts(position_ids)
     # [1, H, L, D] -> [L, H, D]: the varlen layout, every sequence's tokens one after another.
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    if q.is_cuda and q.dtype in _HALF_DTYPES:
+    if q.is_cuda and q.dtype in _HALF_DTYPES and not dropout:
         longest = int((offsets[1:] - offsets[:-1]).max())
         out = _torch_varlen(q, k, v, offsets.to(q.device), longest, scaling)
     else:
@@ -84,6 +99,7 @@ def varlen_attention_forward(
                     q[start:end].transpose(0, 1),
                     k[start:end].transpose(0, 1),
                     v[start:end].transpose(0, 1),
+                    dropout_p=dropout,
                     is_causal=True,
                     scale=scaling,
                     enable_gqa=k.shape[1] != q.shape[1],
