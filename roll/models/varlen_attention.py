@@ -14,6 +14,9 @@ Anything else (rows with padding, a KV cache: the rollout engine) is plain ``sdp
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -120,15 +123,21 @@ def _mask(batch_size: int, q_length: int, kv_length: int, *args, attention_mask=
     return sdpa_mask(batch_size, q_length, kv_length, *args, attention_mask=attention_mask, **kwargs)
 
 
+@functools.cache
+def _varlen_parameters() -> frozenset[str]:
+    """The keyword names this torch's ``varlen_attn`` takes: read once, not on every attention call."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def _torch_varlen(q, k, v, offsets, longest: int, scaling: float | None) -> torch.Tensor:
     """Causal ``varlen_attn`` over [T, H, D] tensors, across the torch releases that have it: 2.12 added
     grouped-query attention (older ones get the KV heads repeated) and 2.10 replaced ``is_causal`` by a
     window."""
-    import inspect
-
     from torch.nn.attention.varlen import varlen_attn
 
-    takes = inspect.signature(varlen_attn).parameters
+    takes = _varlen_parameters()
     options = {"window_size": (-1, 0)} if "window_size" in takes else {"is_causal": True}
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in takes:
