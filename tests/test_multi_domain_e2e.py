@@ -14,7 +14,7 @@ DOMAINS = ("math", "countdown", "code")
 def test_the_multi_domain_example_scores_and_logs_every_domain(repo_root, tmp_path, ray_address):
     """Two RL steps from the random model (no warm start): every batch holds the domains in their ratios,
     each domain is scored by its own reward (math-verify on a reward worker, countdown in the controller,
-    code in the sandbox on two reward workers) and every domain's training and held-out metrics reach
+    code in the sandbox on its own reward worker) and every domain's training and held-out metrics reach
     metrics.jsonl. Needs a whole run: the three rewards in three places meet only there.
 
     That the example learns is measured, not asserted here: docs/rewards.md has its 300-step run and three
@@ -30,6 +30,9 @@ def test_the_multi_domain_example_scores_and_logs_every_domain(repo_root, tmp_pa
         "eval.every_steps=2",
         "eval.max_prompts=16",  # per domain
         "tracking.backends=[jsonl]",
+        # One code worker, not the example's two: each costs a process start, and a role's several reward
+        # ranks are tested by test_pipelines_cli's disaggregated run.
+        "domains.code.reward_world_size=1",
     ]
     # On the session's Ray (RAY_ADDRESS), as the other `roll train` tests: no local Ray to start and stop.
     roll_train(repo_root, "examples/rlvr_multi_domain.yaml", *overrides, env={"RAY_ADDRESS": ray_address})

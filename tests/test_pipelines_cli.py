@@ -1,5 +1,6 @@
-"""Short runs of the pipelines through the CLI, covering the paths the quickstart does not take:
-a standalone SFT config, KL to a reference, several PPO mini-batches, and several ranks per role."""
+"""Short runs of the pipelines through the CLI, covering the paths the quickstart does not take: KL to a
+reference, several PPO mini-batches, several ranks per role, the hybrid engine and a reward failing on a
+worker (the standalone SFT config runs through the CLI in test_resume)."""
 
 from __future__ import annotations
 
@@ -39,34 +40,6 @@ def metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow
-def test_standalone_sft_config_trains_evaluates_and_saves_a_loadable_model(repo_root, tmp_path, ray_address):
-    """examples/sft.yaml through `roll train`: its own model, data, schedule and evaluation, and a model
-    plain loading reads. That the SFT pipeline learns (its loss more than halves, held-out rises from 0)
-    is asserted on the quickstart's warm start, the same pipeline (test_quickstart_e2e)."""
-    out = tmp_path / "sft"
-    roll_train(
-        repo_root,
-        "examples/sft.yaml",
-        f"output_dir={out}",
-        "train.steps=20",
-        "eval.every_steps=10",
-        "eval.max_prompts=20",
-        "tracking.backends=[jsonl]",
-        env={"RAY_ADDRESS": ray_address},
-    )
-    rows = metrics(out)
-    losses = [row["sft/loss"] for row in rows if "sft/loss" in row]
-    assert len(losses) == 20 and losses[-1] < losses[0], losses
-    assert {row["sft/samples"] for row in rows if "sft/loss" in row} == {64}  # train.batch_size
-    assert [row["step"] for row in rows if "eval/score" in row] == [0, 10, 20]
-
-    from roll.models.loading import load_causal_lm, load_tokenizer
-
-    model, tokenizer = load_causal_lm(str(out / "model")), load_tokenizer(str(out / "model"))
-    assert model.config.num_hidden_layers == 2 and tokenizer.eos_token == "<|eos|>"
-
-
 # The disaggregated run also takes several PPO mini-batches and epochs (so old logprobs are computed)
 # and two reward workers: the multi-rank wiring of every role in one run.
 SEVERAL_UPDATES_AND_REWARD_WORKERS = [
@@ -89,9 +62,9 @@ SEVERAL_UPDATES_AND_REWARD_WORKERS = [
 )
 def test_device_mapped_examples_train(example, colocated, extra, repo_root, tmp_path, ray_address):
     """2 training ranks and 2 rollout workers on logical devices (the session Ray declares 4): colocated
-    roles offload between stages, disaggregated ones never do; weights travel over the transfer group; a
-    reference shares the actor's devices. Placement, offload and the transfer group exist only in a whole
-    multi-rank run."""
+    roles offload between stages (a reference shares the actor's devices too), disaggregated ones never
+    do; weights travel over the transfer group. Placement, offload and the transfer group exist only in a
+    whole multi-rank run."""
     out = tmp_path / "run"
     roll_train(
         repo_root,
@@ -102,7 +75,7 @@ def test_device_mapped_examples_train(example, colocated, extra, repo_root, tmp_
         "eval.every_steps=0",
         "eval.max_prompts=16",
         "tracking.backends=[jsonl]",
-        "algorithm.kl_coef=0.05",  # a reference model on the actor's devices too
+        f"algorithm.kl_coef={0.05 if colocated else 0.0}",  # colocated: a reference on the actor's devices
         "actor.micro_batch_tokens=64",
         *extra,
         env={"RAY_ADDRESS": ray_address},
@@ -113,8 +86,9 @@ def test_device_mapped_examples_train(example, colocated, extra, repo_root, tmp_
         assert row["sync/gb_per_s"] > 0
         # Logical devices are CPU memory: offloading moves no bytes, but it must happen when colocated.
         assert ("offload/rollout_bytes" in row) == colocated
-        assert ("offload/actor_bytes" in row) is True  # the reference and the actor share devices
-        assert row["actor/kl"] >= 0.0  # the reference ran
+        assert ("offload/actor_bytes" in row) == colocated  # the reference and the actor share devices
+        if colocated:
+            assert row["actor/kl"] >= 0.0  # the reference ran
         assert row["rollout/samples"] == 64  # 8 prompts x 8 samples, no padding: roll plot --x samples
         if extra:
             # Several updates per batch: old logprobs were computed and the ratio can clip.

@@ -4,7 +4,7 @@ and critic) and for SFT. Each step appears once in metrics.jsonl.
 
 The "stopped" run is the finished run's directory with everything after step k removed, as a crash right
 after the checkpoint of step k leaves it; it then resumes with ``resume="latest"``. The runs use the test
-session's Ray, in this process."""
+session's Ray, in this process (the first SFT run through `roll train`)."""
 
 from __future__ import annotations
 
@@ -93,17 +93,36 @@ def test_rlvr_resumed_run_matches_the_uninterrupted_one(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("ray_session", "at_repo_root")
-def test_sft_resumed_run_matches_the_uninterrupted_one(tmp_path: Path) -> None:
-    """The SFT pipeline's checkpoint resumes to the same metrics as an uninterrupted run: needs two whole
-    runs."""
+@pytest.mark.usefixtures("at_repo_root")
+def test_sft_resumed_run_matches_the_uninterrupted_one(
+    repo_root: Path, tmp_path: Path, ray_address: str
+) -> None:
+    """examples/sft.yaml through `roll train` (its own model, data, schedule and evaluation, and a model
+    plain loading reads), then stopped after step 4 and resumed from its checkpoint: the same metrics as
+    the uninterrupted run. Needs two whole runs. That the SFT pipeline learns (its loss more than halves,
+    held-out rises from 0) is asserted on the quickstart's warm start, the same pipeline
+    (test_quickstart_e2e)."""
+    from test_pipelines_cli import roll_train
+
     run = ("train.steps=8", "eval.every_steps=4", "eval.max_prompts=32", "checkpoint.every_steps=4")
     run += ("tracking.backends=[jsonl]",)
     finished, stopped = tmp_path / "finished", tmp_path / "stopped"
-    run_pipeline(load_config("examples/sft.yaml", [*run, f"output_dir={finished}"]))
+    roll_train(
+        repo_root, "examples/sft.yaml", *run, f"output_dir={finished}", env={"RAY_ADDRESS": ray_address}
+    )
+    expected = metrics(finished)
+    losses = [row["sft/loss"] for row in expected if "sft/loss" in row]
+    assert len(losses) == 8 and losses[-1] < losses[0], losses
+    assert {row["sft/samples"] for row in expected if "sft/loss" in row} == {64}  # train.batch_size
+    assert [row["step"] for row in expected if "eval/score" in row] == [0, 4, 8]
+    from roll.models.loading import load_causal_lm, load_tokenizer
+
+    model, tokenizer = load_causal_lm(str(finished / "model")), load_tokenizer(str(finished / "model"))
+    assert model.config.num_hidden_layers == 2 and tokenizer.eos_token == "<|eos|>"
+
     crash_after(finished, stopped, 4)
     run_pipeline(load_config("examples/sft.yaml", [*run, f"output_dir={stopped}"]), resume="latest")
-    expected, got = metrics(finished), metrics(stopped)
+    got = metrics(stopped)
     assert [row["step"] for row in got] == list(range(0, 9))
     assert_same_rows(got, expected)
 
