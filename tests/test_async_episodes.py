@@ -97,7 +97,7 @@ def test_while_no_batch_is_wanted_the_next_steps_episodes_generate_and_step() ->
     while not sched.batch_ready:
         sched._pump()  # noqa: SLF001
     assert pool.counters["steps"] > steps and len(backend.submits) > sent
-    assert sched._next_group == 4  # noqa: SLF001 - no group beyond the next step's was drawn
+    assert sched._next_group_id == 4  # noqa: SLF001 - no group beyond the next step's was drawn
     sched.close()
 
 
@@ -112,7 +112,7 @@ def test_a_turn_may_start_on_newer_weights_than_the_turn_before_it() -> None:
     sched.set_weights_version(1)
     while not sched.batch_ready:
         sched._pump()  # noqa: SLF001
-    group = min(sched._complete, key=lambda g: g.group_id)  # noqa: SLF001 - the batch about to be taken
+    group = next(iter(sched._drawn.values()))  # noqa: SLF001 - the batch about to be taken
     versions = [sorted({v for v in e.versions if v >= 0}) for e in group.episodes.values()]
     try:
         _, metrics = sched.next_batch(1)
@@ -186,7 +186,8 @@ def test_while_an_env_reset_goes_unanswered_the_pipelines_calls_answer_at_once()
     sched._thread = threading.Thread(target=sched._pump_forever, daemon=True)  # noqa: SLF001 - as next_batch
     sched._thread.start()  # noqa: SLF001
     try:
-        wait_for(lambda: envs.unanswered and sched._complete, "played group 0")  # noqa: SLF001
+        first = lambda: sched._drawn.get(0)  # noqa: E731, SLF001 - group 0 while it is drawn
+        wait_for(lambda: envs.unanswered and getattr(first(), "complete", False), "played group 0")
         assert answers(sched.state_dict, "state_dict")["pending"][:2] == [10, 11]  # both groups' seeds
         answers(lambda: sched.set_weights_version(1), "set_weights_version")
         assert answers(lambda: sched.batch_ready, "batch_ready") is False

@@ -277,7 +277,7 @@ def test_a_frozen_env_worker_holds_up_only_its_episodes_and_fails_the_step_at_th
     with pytest.raises(WorkerUnresponsiveError, match="environment rank 1 failed in reset"):
         sched.next_batch(1)
     assert backend.now >= LIVENESS_S
-    assert [group.group_id for group in sched._complete] == [0]  # noqa: SLF001 - played on meanwhile
+    assert [g.group_id for g in sched._drawn.values() if g.complete] == [0]  # noqa: SLF001 - played on meanwhile
     assert not any(request_id.startswith("g1") for _, _, ids in backend.submits for request_id in ids)
     sched.close()
     assert [(method, ids) for _, method, ids in envs.unanswered] == [
@@ -321,7 +321,8 @@ def test_seeds_of_groups_not_trained_on_are_played_again_after_a_restart() -> No
     # Mid-step state (a worker lost while groups were live) keeps their seeds first, but never the
     # held-out seed of an evaluation cut short.
     params = sched.params
-    sched._start([sched._new_group(99, 2, params, True), sched._new_group(3, 1, params, False)])
+    sched._draw_items([99])
+    sched._start([sched._new_group(3, 1, params, False)])
     assert sched.state_dict()["pending"][0] == 99 and 3 not in sched.state_dict()["pending"]
 
 

@@ -16,7 +16,7 @@ class FakeSync:
 
     def sync(self, version: int) -> dict[str, object]:
         self.log.append(f"send {version}")
-        return {"bytes": 1}
+        return {"bytes": 1, "gb_per_s": 0.5}
 
     def close(self) -> None:
         self.log.append("close")
@@ -31,14 +31,14 @@ def publisher() -> tuple[WeightPublisher, list[int], list[str]]:
 def test_each_publish_sends_the_next_version_and_tells_the_scheduler() -> None:
     pub, told, log = publisher()
     pub.connect(FakeSync(log))
-    assert pub.sends and pub.publish() == {"bytes": 1} and pub.publish() == {"bytes": 1}
+    assert pub.sends and pub.publish() == {"sync/bytes": 1.0, "sync/gb_per_s": 0.5} and pub.publish()
     assert pub.version == 2 and told == [1, 2]
     assert log == ["connect", "on devices", "send 1", "on devices", "send 2"]
 
 
 def test_without_rollout_workers_nothing_travels_but_the_version_counts_the_updates() -> None:
     pub, told, log = publisher()
-    assert not pub.sends and pub.publish() is None
+    assert not pub.sends and pub.publish() == {}
     assert pub.version == 1 and told == [1] and log == []
 
 

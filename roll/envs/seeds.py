@@ -9,7 +9,7 @@ generalisation.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from roll.envs.base import TextEnv
@@ -64,8 +64,13 @@ class SeedOrder:
         self.drawn += 1
         return next(self._seeds)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"drawn": self.drawn, "pending": list(self.pending)}
+    def put_back(self, seeds: Sequence[int]) -> None:
+        """Seeds of dropped groups, in draw order: drawn again first, in that order."""
+        self.pending.extendleft(reversed(seeds))
+
+    def state_dict(self, in_flight: Sequence[int] = ()) -> dict[str, Any]:
+        """The cursor, with ``in_flight`` (drawn, not trained on, in draw order) drawn again first."""
+        return {"drawn": self.drawn, "pending": [*in_flight, *self.pending]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.drawn = int(state["drawn"])

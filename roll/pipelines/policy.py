@@ -29,23 +29,8 @@ from roll.data.batch import Batch
 from roll.data.masks import loss_mask
 from roll.distributed.cluster import Cluster, WorkerError
 from roll.distributed.weight_sync import WeightSync, WeightSyncError
-from roll.pipelines.common import (
-    StageTimer,
-    example_samples,
-    init_ray,
-    prepare_model,
-    write_resolved_config,
-)
-from roll.pipelines.credit import (
-    PER_TURN_FIELDS,
-    advantage_metrics,
-    compute_advantages,
-    kl_per_token,
-    reward_metrics,
-    shape_scores,
-    shaping_enabled,
-    token_level_rewards,
-)
+from roll.pipelines import credit
+from roll.pipelines.common import StageTimer, example_samples, init_ray, prepare_model, write_resolved_config
 from roll.pipelines.onpolicy_distill import teacher_advantages
 from roll.pipelines.preflight import RunInputs, preflight
 from roll.pipelines.recovery import RestartBudget
@@ -56,7 +41,7 @@ from roll.pipelines.scheduler_slot import SchedulerSlot
 from roll.pipelines.sft import sft_warm_start, warm_started_model
 from roll.pipelines.supervisor import Supervisor
 from roll.pipelines.weight_publisher import WeightPublisher, rollout_transfer
-from roll.pipelines.worker_specs import device_roles, plan_workers, policy_roles, updates_per_step
+from roll.pipelines.worker_specs import device_roles, plan_workers, policy_roles
 from roll.rollout.backend import RewardDispatch, RolloutBackend
 from roll.tracking import Tracker
 from roll.utils.signals import set_activity
@@ -163,15 +148,7 @@ class PolicyPipeline(RunLoop):
         set_activity("starting the workers")
         self.before_start()
         plan = self.plan = plan_workers(cfg, self.model_path, self.rows_vary)
-        samples = plan.prompts_per_step * plan.samples_per_prompt
-        algo = cfg.algorithm
-        # With one optimizer step per rollout batch the "old" policy is the current one: its logprobs
-        # come free inside the train step, so the extra forward pass is skipped. A KL in the reward
-        # needs them before the update, so it keeps the pass.
-        self.needs_old_logprobs = updates_per_step(cfg.actor, samples) > 1 or (
-            algo.kl_coef > 0 and algo.kl_penalty == "reward"
-        )
-        self.kl_coef = algo.kl_coef  # moves each step when algorithm.kl_target is set
+        self.kl_coef = cfg.algorithm.kl_coef  # moves each step when algorithm.kl_target is set
         self.role_set.roles = policy_roles(cfg, plan, self.extra_roles())
         started = self.role_set.start()
         if "rollout" in started:
@@ -292,24 +269,24 @@ class PolicyPipeline(RunLoop):
         scores = batch["scores"]
         # Rows that only fill the batch to a divisor (trained on by nobody) stay out of the metrics.
         real = ~batch["padding"] if "padding" in batch else torch.ones(len(batch), dtype=torch.bool)
-        shaped = shape_scores(scores, lengths, algo.reward_shaping, cfg.rollout.max_new_tokens)
+        shaped = credit.shape_scores(scores, lengths, algo.reward_shaping, cfg.rollout.max_new_tokens)
         with timer("logprobs"):
             batch = self._forward_passes(batch, metrics)
 
-        token_rewards = token_level_rewards(
+        token_rewards = credit.token_level_rewards(
             scores, shaped, mask, batch["token_rewards"], response_mask=batch["response_mask"]
         )
         if self.uses_reference and algo.kl_penalty == "reward":
-            kl = kl_per_token(batch["old_logprobs"], batch["ref_logprobs"], mask, algo.kl_estimator)
+            kl = credit.kl_per_token(batch["old_logprobs"], batch["ref_logprobs"], mask, algo.kl_estimator)
             token_rewards = token_rewards - self.kl_coef * kl
             metrics["reward/kl"] = masked_mean(kl, mask).item()
-        advantages, returns = compute_advantages(
+        advantages, returns = credit.compute_advantages(
             algo,
             token_rewards,
             mask,
             batch["group_index"],
             batch["values"] if self.critic else None,
-            per_turn={key: batch[key] for key in PER_TURN_FIELDS if key in batch},
+            per_turn={key: batch[key] for key in credit.PER_TURN_FIELDS if key in batch},
         )
         distill = getattr(cfg, "distill", None)
         if distill is not None:
@@ -337,11 +314,7 @@ class PolicyPipeline(RunLoop):
             )
         if self.publisher.sends:
             with timer("sync"), self.role_set.on_device("actor", "rollout", metrics=metrics):
-                sent = self.supervisor.guard(self.publisher.publish)
-                metrics["sync/gb_per_s"], metrics["sync/bytes"] = sent["gb_per_s"], sent["bytes"]
-                if "max_logprob_diff" in sent:
-                    metrics["sync/max_logprob_diff"] = sent["max_logprob_diff"]
-                    metrics["time/sync_probe_s"] = sent["probe_s"]  # part of time/sync_s
+                metrics.update(self.supervisor.guard(self.publisher.publish))
         else:
             self.publisher.publish()
         if self.uses_reference:
@@ -353,13 +326,13 @@ class PolicyPipeline(RunLoop):
         self.recent_samples = example_samples(batch, scores, self.tokenizer, cfg.tracking.samples_per_step)
         metrics.update(self.step_metrics(batch, scores[real]))
         return {
-            **reward_metrics(
+            **credit.reward_metrics(
                 batch,
-                shaped if shaping_enabled(algo.reward_shaping) else None,
+                shaped if credit.shaping_enabled(algo.reward_shaping) else None,
                 real,
                 grouped=self.plan.samples_per_prompt > 1,
             ),
-            **advantage_metrics(advantages, returns, mask),
+            **credit.advantage_metrics(advantages, returns, mask),
             **metrics,
             **timer.metrics(),
             "time/step_s": step_time,
@@ -392,7 +365,7 @@ class PolicyPipeline(RunLoop):
                     lambda: self.reference.compute_logprobs(_tensors(batch), temperature)
                 )
             batch["ref_logprobs"] = scored["logprobs"]
-        if self.needs_old_logprobs:
+        if self.plan.needs_old_logprobs:
             with self.role_set.on_device("actor", metrics=metrics):
                 batch["old_logprobs"] = self.actor.compute_logprobs(_tensors(batch), temperature)["logprobs"]
         if self.critic is not None:

@@ -53,13 +53,20 @@ class WeightPublisher:
         if self.version > 0:
             self._send(self.version)
 
-    def publish(self) -> dict[str, object] | None:
+    def publish(self) -> dict[str, float]:
         """The trainer's weights as the next version (one per step in a run that never lost its rollout
-        workers, so there version == step); returns the transfer's stats, None with nothing to send."""
+        workers, so there version == step); returns the transfer's step metrics (none with nothing sent)."""
         version = self.version + 1
-        sent = self._send(version) if self.sync is not None else None
+        sent = self._send(version) if self.sync is not None else {}
         self._set(version)
-        return sent
+        metrics = {
+            f"sync/{key}": float(sent[key])
+            for key in ("gb_per_s", "bytes", "max_logprob_diff")
+            if key in sent
+        }
+        if "probe_s" in sent:
+            metrics["time/sync_probe_s"] = float(sent["probe_s"])  # part of time/sync_s
+        return metrics
 
     def restore(self, step: int) -> None:
         """After a checkpoint of ``step`` loaded into the actor: fresh rollout workers get version ``step``,

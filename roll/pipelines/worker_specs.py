@@ -131,6 +131,10 @@ class WorkerPlan:
     sync_probe: ProbeSpec | None  # the check after every weight sync; None: off
     hybrid_engine: bool  # the actor generates (no rollout workers, no weight sync)
     roles: tuple[RoleDevices, ...]  # devices and world size of each device-holding role
+    # With one optimizer step per rollout batch the "old" policy is the current one: its logprobs come
+    # free inside the train step, so the extra forward pass is skipped. A KL in the reward needs them
+    # before the update, so it keeps the pass.
+    needs_old_logprobs: bool
 
 
 def plan_workers(cfg: RLVRConfig, model_path: str, rows_vary: bool = False) -> WorkerPlan:
@@ -187,4 +191,6 @@ def plan_workers(cfg: RLVRConfig, model_path: str, rows_vary: bool = False) -> W
         sync_probe=probe_spec(rollout, cfg.model),
         hybrid_engine=rollout.hybrid_engine,
         roles=tuple(device_roles(cfg)),
+        needs_old_logprobs=updates_per_step(cfg.actor, samples) > 1
+        or (cfg.algorithm.kl_coef > 0 and cfg.algorithm.kl_penalty == "reward"),
     )

@@ -52,6 +52,15 @@ class EpisodeGroup:
     closed: bool = False
     complete: bool = False
 
+    @property
+    def item(self) -> int:
+        """What the seed order drew for it."""
+        return self.seed
+
+    @property
+    def ready(self) -> bool:
+        return self.complete
+
     def oldest_version(self) -> int:
         """The oldest weights version of any token it sampled (its start version before the first)."""
         versions = [v for e in self.episodes.values() for v in e.versions if v >= 0]

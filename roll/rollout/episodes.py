@@ -100,15 +100,14 @@ class EpisodeScheduler(GroupScheduler):
         super().__init__()
         self._env_calls = EnvCalls(envs, clock)
         self.backend, self.chat, self.spec = backend, chat, spec
-        self.params, self.seeds, self.pad_id = params, seeds, pad_id
+        self.params, self.source, self.pad_id = params, seeds, pad_id
+        self.groups_per_batch = spec.groups_per_step
         self.id_prefix, self.poll_s, self.clock = id_prefix, poll_s, clock
-        self._next_group = 0
         self._requests: dict[str, tuple[EpisodeGroup, str]] = {}  # request id -> (group, episode id)
-        self._live: list[EpisodeGroup] = []  # groups playing, in draw order
+        # The base's _drawn holds the training groups playing or complete, until they go into a batch.
+        self._live: list[EpisodeGroup] = []  # groups playing (training and evaluation), in draw order
         self._to_start: list[EpisodeGroup] = []  # evaluation groups waiting for the next pump
-        self._complete: list[EpisodeGroup] = []  # complete training groups not yet in a batch
         self._group_of: dict[str, EpisodeGroup] = {}  # live episode id -> its group
-        self._counts: collections.Counter[str] = collections.Counter()
         self._env_seconds: list[float] = []
         self._tools = ToolFailureMonitor(spec.max_tool_failure_frac)
 
@@ -132,21 +131,6 @@ class EpisodeScheduler(GroupScheduler):
             self._to_start += groups  # started by the pumping thread: it alone talks to the workers
         self._until(lambda: all(group.closed for group in groups) or None)
         return [next(iter(group.episodes.values())) for group in groups]
-
-    def state_dict(self) -> dict[str, Any]:
-        """The seed cursor; the seeds of groups drawn and not trained on are drawn again first (never a
-        held-out seed of an evaluation cut short)."""
-        with self._lock:
-            state = self.seeds.state_dict()
-            drawn = sorted([g for g in self._live if g.training] + self._complete, key=lambda g: g.group_id)
-            state["pending"] = [group.seed for group in drawn] + state["pending"]
-            return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        with self._lock:
-            if self._live or self._complete:
-                raise RuntimeError("load_state_dict must come before the scheduler plays any episode")
-            self.seeds.load_state_dict(state)
 
     def close(self) -> None:
         """Stop the background thread, abort every turn in flight and close the live episodes'
@@ -188,20 +172,15 @@ class EpisodeScheduler(GroupScheduler):
             self._settle(dict.fromkeys(touched))
             self._changed.notify_all()
 
-    def _draw(self) -> None:
-        """Start training groups until enough are live or complete for the batches wanted: the one
-        ``next_batch`` waits for, and the next ``async_generation_ratio`` ones."""
-        spec = self.spec
-        wanted = (spec.async_generation_ratio + int(self._waiting)) * spec.groups_per_step
-        have = sum(group.training for group in self._live) + len(self._complete)
-        if wanted > have:
-            size = spec.group_size + spec.redundancy
-            seeds = [self.seeds.next() for _ in range(wanted - have)]
-            self._start([self._new_group(seed, size, self.params, training=True) for seed in seeds])
+    def _open(self, seeds: list[int]) -> list[EpisodeGroup]:
+        """Training groups of ``seeds``, their environments' resets sent (the base draws them)."""
+        size = self.spec.group_size + self.spec.redundancy
+        groups = [self._new_group(seed, size, self.params, training=True) for seed in seeds]
+        self._start(groups)
+        return groups
 
     def _new_group(self, seed: int, episodes: int, params: SamplingParams, training: bool) -> EpisodeGroup:
-        group_id = self._next_group
-        self._next_group += 1
+        group_id = self._new_group_id()
         ids = [f"{self.id_prefix}g{group_id}e{k}" for k in range(episodes)]
         return EpisodeGroup(
             group_id,
@@ -299,12 +278,11 @@ class EpisodeScheduler(GroupScheduler):
                 group.ended = kept
                 self._close(group)
                 group.complete = True
-                if group.training:
-                    self._complete.append(group)
             elif len(kept) < group.size:
                 self._close(group)
                 if not group.training:  # evaluation keeps the failed episode
                     continue
+                del self._drawn[group.group_id]  # its seed is replaced by the next one drawn
                 self._counts["dropped_groups"] += 1
                 if self._counts["dropped_groups"] > self.spec.max_dropped_groups:
                     errors = [e.error for e in group.episodes.values() if e.error]
@@ -336,21 +314,10 @@ class EpisodeScheduler(GroupScheduler):
         for eid in group.episodes:
             self._group_of.pop(eid, None)
 
-    def _is_stale(self, group: EpisodeGroup) -> bool:
-        ratio = self.spec.async_generation_ratio
-        return bool(ratio) and group.training and group.oldest_version() < self.stale_before()
-
-    def _drop_stale(self) -> None:
-        """Abort the groups (playing or complete) holding tokens older than the staleness bound; their
-        seeds are drawn again first, in draw order."""
-        stale = [g for g in [*self._live, *self._complete] if self._is_stale(g)]
-        for group in stale:
-            if not group.closed:
-                self._close(group)
-            else:
-                self._complete.remove(group)
-        self.seeds.pending.extendleft(group.seed for group in sorted(stale, key=lambda g: -g.group_id))
-        self._counts["stale_groups"] += len(stale)
+    def _drop(self, group: EpisodeGroup) -> None:
+        """A stale group, playing or complete: ended if it still plays (the base draws its seed again)."""
+        if not group.closed:
+            self._close(group)
 
     def _count_env(self, result: EnvResult, group: EpisodeGroup) -> None:
         """Count a training episode's env call (evaluation's would blur the step's rates)."""
@@ -362,27 +329,6 @@ class EpisodeScheduler(GroupScheduler):
             self._counts["env_errors" if result.status == ERROR else "env_timeouts"] += 1
 
     # ----- the batch -------------------------------------------------------------------------------------
-
-    @property
-    def batch_ready(self) -> bool:
-        """Whether ``next_batch`` would return at once (asynchronously: the next batch was played ahead)."""
-        with self._lock:
-            return self._next_groups() is not None
-
-    def _next_groups(self) -> list[EpisodeGroup] | None:
-        """The first ``groups_per_step`` training groups in draw order, once all of them are complete and
-        none is stale (the pumping thread drops those first); None while not ready."""
-        drawn = sorted([g for g in self._live if g.training] + self._complete, key=lambda g: g.group_id)
-        first = drawn[: self.spec.groups_per_step]
-        if len(first) < self.spec.groups_per_step or not all(g.complete for g in first):
-            return None
-        return None if any(self._is_stale(g) for g in first) else first
-
-    def _take_batch(self) -> list[EpisodeGroup] | None:
-        first = self._next_groups()
-        for group in first or []:
-            self._complete.remove(group)
-        return first
 
     def _batch(self, groups: list[EpisodeGroup]) -> tuple[Batch, dict[str, float]]:
         with self._lock:

@@ -34,10 +34,10 @@ class PromptSource:
         self._fresh += 1
         return self._queue.popleft()
 
-    def put_back(self, index: int) -> None:
-        """A dropped group's prompt: drawn again before anything else (put back the latest-drawn first)."""
-        self._queue.appendleft(index)
-        self._returned += 1
+    def put_back(self, indices: Sequence[int]) -> None:
+        """Dropped groups' prompts, in draw order: drawn again before anything else, in that order."""
+        self._queue.extendleft(reversed(indices))
+        self._returned += len(indices)
 
     def can_draw(self) -> bool:
         return bool(self._returned) or self._fresh < self.budget
@@ -45,10 +45,6 @@ class PromptSource:
     def new_batch(self) -> None:
         """A batch was handed out: the budget starts again."""
         self._fresh = 0
-
-    @property
-    def started(self) -> bool:
-        return bool(self._queue)
 
     def state_dict(self, in_flight: Sequence[int]) -> dict[str, Any]:
         """The cursor, and the prompts ``in_flight`` (in live groups, in draw order) followed by those

@@ -96,8 +96,20 @@ class PromptGroup:
     def resolved(self) -> bool:
         return self.kept is not None
 
-    def oldest_version(self) -> int:
-        """The oldest weights version any of its tokens came from (submission version while unknown)."""
+    @property
+    def ready(self) -> bool:
+        return bool(self.kept)
+
+    @property
+    def item(self) -> int:
+        """What the prompt source drew for it."""
+        return self.prompt_index
+
+    def oldest_version(self) -> int | None:
+        """The oldest weights version any of its tokens came from (submission version while unknown;
+        None while unsent)."""
+        if self.worker is None:
+            return None
         versions = [v for s in self.samples if s.result for v in s.result.weight_versions]
         return min(versions, default=self.submit_version)
 
@@ -135,34 +147,19 @@ class RolloutScheduler(GroupScheduler):
     ):
         super().__init__()
         self.backend, self.prompts = backend, prompts
-        self.prompt_source = PromptSource(prompt_order, spec.prompt_budget)
+        self.source = PromptSource(prompt_order, spec.prompt_budget)
+        self.groups_per_batch, self.extra_groups = spec.rollout_batch_size, spec.additional_prompts
         self.id_prefix = id_prefix
         self.spec, self.params, self.tokenizer = spec, params, tokenizer
         self.clock, self.poll_s = clock, poll_s
         self.params_for = params_for or (lambda row: params)
         self.pad_id = tokenizer.pad_token_id
         self.balancer = LoadBalancer(backend.num_workers)
-        self._groups: dict[int, PromptGroup] = {}  # live groups in draw order
+        # The live groups in draw order are the base's _drawn (a filtered group leaves it when resolved).
         self._samples: dict[str, Sample] = {}  # live samples by request id
         self._unsent: collections.deque[int] = collections.deque()  # group ids waiting for a worker
         self._filtered: collections.deque[PromptGroup] = collections.deque(maxlen=spec.rollout_batch_size)
         self._scoring = 0  # responses at the reward workers, dropped ones included
-        self._next_group_id = 0
-        self._counts: collections.Counter[str] = collections.Counter()
-
-    # ----- the pipeline's calls ----------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """The dataset cursor and the prompts drawn but not trained on (in flight, scored or queued), in
-        order: a scheduler that loads it draws them again first, then continues the dataset."""
-        with self._lock:
-            return self.prompt_source.state_dict([g.prompt_index for g in self._groups.values()])
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        with self._lock:
-            if self._groups or self.prompt_source.started:
-                raise RuntimeError("load_state_dict must come before the scheduler draws any prompt")
-            self.prompt_source.load_state_dict(state)
 
     def close(self) -> None:
         """Stop the background thread and abort every request in flight. A scheduler that takes over
@@ -187,40 +184,24 @@ class RolloutScheduler(GroupScheduler):
             self._react(events)
             self._changed.notify_all()
 
-    def _draw(self) -> None:
-        """Draw prompts until enough are live for the batches wanted (the current one while
-        ``next_batch`` waits, and the next ``async_generation_ratio`` ones), plus the additional ones
-        dynamic sampling allows, within the prompt budget."""
-        spec = self.spec
-        wanted = (spec.async_generation_ratio + int(self._waiting)) * spec.rollout_batch_size
-        kept = sum(1 for g in self._groups.values() if g.kept)
-        missing = wanted - kept
-        if missing <= 0:
-            return
-        unresolved = sum(1 for g in self._groups.values() if not g.resolved)
-        while unresolved < missing + spec.additional_prompts:
-            index = self.prompt_source.next()
-            if index is None:
-                return
-            self._new_group(index)
-            unresolved += 1
-
-    def _new_group(self, prompt_index: int) -> None:
-        group_id = self._next_group_id
-        self._next_group_id += 1
-        prefix = f"{self.id_prefix}g{group_id}"
-        samples = [Sample(f"{prefix}-{i}", group_id, i) for i in range(self.spec.num_return_sequences)]
-        now = self.clock()
-        for sample in samples:
-            sample.times[S.QUEUED] = now
-            self._samples[sample.request_id] = sample
-        params = self.params_for(self.prompts.rows[prompt_index])
-        self._groups[group_id] = PromptGroup(group_id, prompt_index, samples, params)
-        self._unsent.append(group_id)
+    def _open(self, prompt_indices: list[int]) -> list[PromptGroup]:
+        """A group per prompt, queued for a worker (the base draws them within the prompt budget)."""
+        groups, now = [], self.clock()
+        for prompt_index in prompt_indices:
+            group_id = self._new_group_id()
+            prefix = f"{self.id_prefix}g{group_id}"
+            samples = [Sample(f"{prefix}-{i}", group_id, i) for i in range(self.spec.num_return_sequences)]
+            for sample in samples:
+                sample.times[S.QUEUED] = now
+                self._samples[sample.request_id] = sample
+            params = self.params_for(self.prompts.rows[prompt_index])
+            groups.append(PromptGroup(group_id, prompt_index, samples, params))
+            self._unsent.append(group_id)
+        return groups
 
     def _send(self) -> None:
         """Send the queued groups that fit, each whole to one worker, one call per worker."""
-        groups = [self._groups[g] for g in self._unsent]
+        groups = [self._drawn[g] for g in self._unsent]
         workers = self.balancer.place_groups([len(g.samples) for g in groups], self.spec.max_running_requests)
         if not workers:
             return
@@ -257,9 +238,9 @@ class RolloutScheduler(GroupScheduler):
         if sample is None or sample.state is not S.GENERATING:
             return None  # dropped while it generated (stale, surplus, closing)
         if result.finish_reason == "abort":  # aborted by someone else (e.g. an engine shut down)
-            self._drop_group(self._groups[sample.group_id], requeue=True)
+            self._drop_and_redraw([self._drawn[sample.group_id]])
             return None
-        group = self._groups[sample.group_id]
+        group = self._drawn[sample.group_id]
         sample.result = result
         sample.response_text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         sample.move(S.REWARDING, now)
@@ -279,7 +260,7 @@ class RolloutScheduler(GroupScheduler):
         sample.score, sample.token_rewards = scored.score, scored.token_rewards
         sample.reward_info = scored.info
         sample.move(S.DONE, now)
-        group = self._groups[sample.group_id]
+        group = self._drawn[sample.group_id]
         if all(s.state is S.DONE for s in group.samples):
             self._resolve(group, now)
 
@@ -306,8 +287,8 @@ class RolloutScheduler(GroupScheduler):
 
     # ----- dropping work ----------------------------------------------------------------------------------
 
-    def _drop_group(self, group: PromptGroup, requeue: bool) -> None:
-        """Abort a live group's unfinished requests and forget it; its prompt is drawn again first."""
+    def _drop(self, group: PromptGroup) -> None:
+        """Abort a live group's unfinished requests and forget its samples."""
         now = self.clock()
         running = [s.request_id for s in group.samples if s.state is S.GENERATING]
         if running:
@@ -321,33 +302,22 @@ class RolloutScheduler(GroupScheduler):
         # record tells _on_generated to ignore them.
         if group.worker is None:
             self._unsent.remove(group.group_id)
-        self._forget(group)
-        if requeue:
-            self.prompt_source.put_back(group.prompt_index)
+        self._forget_samples(group)
 
     def _forget(self, group: PromptGroup) -> None:
-        del self._groups[group.group_id]
+        del self._drawn[group.group_id]
+        self._forget_samples(group)
+
+    def _forget_samples(self, group: PromptGroup) -> None:
         for sample in group.samples:
             self._samples.pop(sample.request_id, None)
-
-    def _is_stale(self, group: PromptGroup) -> bool:
-        """Tokens (or, while unknown, the submission) older than the staleness bound allows."""
-        return group.worker is not None and group.oldest_version() < self.stale_before()
-
-    def _drop_stale(self) -> None:
-        """Drop the stale groups (only the pumping thread calls the backend)."""
-        stale = [g for g in self._groups.values() if self._is_stale(g)]
-        for group in reversed(stale):  # requeued at the front in draw order
-            self._counts["groups_stale"] += 1
-            self._drop_group(group, requeue=True)
 
     def _drop_all_live(self, wait: bool = True) -> None:
         """Abort every live group (prompts go back to the front of the queue in draw order) and, with
         ``wait``, wait until the workers have answered for every request, so that nothing runs while
         the actor trains."""
         with self._lock:
-            for group in reversed(list(self._groups.values())):
-                self._drop_group(group, requeue=True)
+            self._drop_and_redraw(list(self._drawn.values()))
         while wait and (sum(self.balancer.in_flight()) or self._scoring):
             self._pump()
 
@@ -357,18 +327,12 @@ class RolloutScheduler(GroupScheduler):
         """The first ``rollout_batch_size`` kept groups in draw order, once every group drawn before
         them is resolved; with the prompt budget spent and nothing left in flight, filtered groups fill
         the rest. None while not ready (or while stale groups wait for the pumping thread to drop them)."""
-        if any(self._is_stale(g) for g in self._groups.values()):
+        taken = self._leading_ready()
+        if taken is None:
             return None
-        size = self.spec.rollout_batch_size
-        taken: list[PromptGroup] = []
-        for group in self._groups.values():
-            if not group.resolved:
-                break
-            taken.append(group)
-            if len(taken) == size:
-                break
+        size = self.groups_per_batch
         if len(taken) < size:
-            if any(not g.resolved for g in self._groups.values()) or self.prompt_source.can_draw():
+            if any(not g.resolved for g in self._drawn.values()) or self.source.can_draw():
                 return None
             fill = list(self._filtered)[-(size - len(taken)) :]
             if len(taken) + len(fill) < size:
@@ -394,7 +358,7 @@ class RolloutScheduler(GroupScheduler):
         """What this batch cost: prompts used, filtered and aborted shares, stage waits, staleness."""
         now = self.clock()
         counts, self._counts = self._counts, collections.Counter()
-        self.prompt_source.new_batch()
+        self.source.new_batch()
         samples = [s for g in groups for s in g.samples]
         stages: dict[str, list[float]] = collections.defaultdict(list)
         for sample in samples:
@@ -410,7 +374,7 @@ class RolloutScheduler(GroupScheduler):
             "rollout/prompts_per_step": float(resolved),
             "rollout/filtered_frac": counts["groups_filtered"] / resolved if resolved else 0.0,
             "rollout/aborted_frac": counts["samples_aborted"] / max(counts["samples_sent"], 1),
-            "rollout/stale_groups": float(counts["groups_stale"]),
+            "rollout/stale_groups": float(counts["stale_groups"]),
             "rollout/fallback_groups": float(counts["fallback_groups"]),
             "rollout/staleness_mean": sum(staleness) / len(staleness),
             "rollout/staleness_max": float(max(staleness)),
