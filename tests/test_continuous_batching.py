@@ -17,7 +17,7 @@ from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from roll.data.batch import Batch
 from roll.models.loading import load_causal_lm
-from roll.strategies import hf_generate
+from roll.strategies import hf_generate, sampling
 from roll.strategies.hf_forward import response_logprobs
 from roll.strategies.infer.hf import HFEngine
 from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
@@ -404,6 +404,37 @@ def test_draws_follow_the_probabilities_and_never_take_an_impossible_token() -> 
     edges = torch.zeros(2, 1000)
     edges[0, 0] = edges[1, -1] = 1e-30
     assert draw(edges).tolist() == [0, 999]
+
+
+def test_long_rows_draw_in_two_levels_the_index_one_running_sum_would() -> None:
+    """Rows longer than two blocks are searched block first, then within the block: the same index as
+    one float64 running sum for the same uniform numbers, never a zero entry or a zero block."""
+    torch.manual_seed(2)
+    size = 5 * sampling._BLOCK + 300  # noqa: SLF001 - a ragged last block
+    probs = torch.rand(64, size) ** 8  # most mass on a few entries, as after a softmax
+    probs[:, sampling._BLOCK : 3 * sampling._BLOCK] = 0  # noqa: SLF001 - two empty blocks
+    probs[::4, :-1] = 0  # every fourth row: only its last entry
+    probs[1::4, 1:] = 0  # and only its first
+    state = torch.get_rng_state()
+    two_level = draw(probs)
+    torch.set_rng_state(state)
+    uniform = 1.0 - torch.rand(64, 1, dtype=torch.float64)
+    cumulative = probs.double().cumsum(dim=-1)
+    one_sum = torch.searchsorted(cumulative, uniform * cumulative[:, -1:]).squeeze(-1)
+    assert torch.equal(two_level, one_sum)
+    assert bool((probs.gather(1, two_level[:, None]) > 0).all())
+    assert (two_level[::4] == size - 1).all() and (two_level[1::4] == 0).all()
+
+
+def test_cpu_rows_sampled_a_few_at_a_time_draw_what_one_call_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = torch.randn(24, 3000)
+    params = SamplingParams(temperature=0.8, top_k=50)
+    torch.manual_seed(3)
+    whole = sample_tokens(logits, params)
+    monkeypatch.setattr(sampling, "_CPU_CHUNK_ENTRIES", 5 * 3000)  # 5 rows a chunk: 5 chunks
+    torch.manual_seed(3)
+    chunked = sample_tokens(logits, params)
+    assert torch.equal(whole[0], chunked[0]) and torch.allclose(whole[1], chunked[1])
 
 
 def test_sampler_truncation_matches_transformers_warpers() -> None:
