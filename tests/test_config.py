@@ -717,6 +717,17 @@ def problem_lines(message: str) -> list[str]:
             ],
             ["rollout.async_generation_ratio=2", "disjoint from the actor's", "leave both unset"],
         ),
+        (  # the critic trains while the rollout generates in the background, as the actor does
+            [
+                "rollout.async_generation_ratio=1",
+                "algorithm.advantage_estimator=gae",
+                "actor.device_mapping=[0]",
+                "critic.device_mapping=[1]",
+                "rollout.device_mapping=[1]",
+                "ray.num_gpus=2",
+            ],
+            ["shares devices with critic.device_mapping", "disjoint from the critic's"],
+        ),
     ],
     ids=[
         "unknown_filter",
@@ -724,6 +735,7 @@ def problem_lines(message: str) -> list[str]:
         "too_few_prompts",
         "async_hybrid",
         "async_colocated",
+        "async_critic_colocated",
     ],
 )
 def test_dynamic_sampling_and_async_misconfigurations_are_rejected(

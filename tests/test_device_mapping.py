@@ -155,7 +155,7 @@ def test_valid_plans_have_no_problems():
     assert validate_plan(colocated, num_devices=4) == []
     assert validate_plan(colocated, num_devices=None) == []  # unknown device count: not checked
     disaggregated = [role_devices("actor", [0, 1]), role_devices("rollout", [2, 3])]
-    assert validate_plan(disaggregated, num_devices=4, async_training=True) == []
+    assert validate_plan(disaggregated, num_devices=4) == []
 
 
 def test_device_beyond_the_cluster_is_reported_with_the_valid_range():
@@ -173,18 +173,3 @@ def test_no_devices_suggests_declaring_logical_ones_or_world_size():
     (problem,) = validate_plan([role_devices("actor", [0, 1]), role_devices("reward", None)], num_devices=0)
     assert problem.startswith("actor.device_mapping: names devices [0, 1] but the cluster has no devices")
     assert "ray.num_gpus: N" in problem and "actor.world_size" in problem
-
-
-def test_async_training_needs_rollout_apart_from_training_roles():
-    roles = [
-        role_devices("actor", [0, 1]),
-        role_devices("critic", [2]),
-        role_devices("reference", [3]),
-        role_devices("rollout", [1, 2, 3]),
-    ]
-    assert validate_plan(roles, num_devices=4) == []  # synchronous: colocation is fine
-    problems = validate_plan(roles, num_devices=4, async_training=True)
-    assert len(problems) == 2  # reference is not a training role: sharing with it is allowed
-    assert problems[0].startswith("rollout.device_mapping: shares device(s) [1] with actor.device_mapping")
-    assert problems[1].startswith("rollout.device_mapping: shares device(s) [2] with critic.device_mapping")
-    assert "disjoint" in problems[0]

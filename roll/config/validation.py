@@ -521,8 +521,10 @@ def check_dynamic_sampling(cfg: RLVRConfig) -> list[str]:
 
 
 def check_async_generation(cfg: RLVRConfig) -> list[str]:
-    """``rollout.async_generation_ratio > 0`` generates while the actor trains, so the two must not share
-    processes (hybrid engine) or devices (colocation time-shares them, one stage at a time)."""
+    """``rollout.async_generation_ratio > 0`` generates while the step's other stages run (the actor and
+    critic train, teachers score), so the rollout must not share processes with the actor (hybrid
+    engine) or devices with any role (colocation time-shares them, one stage at a time: the rollout
+    would be offloaded under its own background generation)."""
     from roll.config.devices import role_plan
     from roll.distributed.device_mapping import is_colocated
 
@@ -540,13 +542,14 @@ def check_async_generation(cfg: RLVRConfig) -> list[str]:
         roles = {role.role: role for role in role_plan(cfg)}
     except ValueError:
         return []  # a malformed mapping, already reported by check_devices
-    if is_colocated(roles["actor"], roles["rollout"]):
-        return [
-            f"{key} generates while the actor trains, but rollout.device_mapping shares devices with "
-            "actor.device_mapping, so the two take turns: give the rollout a device_mapping disjoint from "
-            "the actor's, or leave both unset (CPU workers), or set rollout.async_generation_ratio=0"
-        ]
-    return []
+    rollout = roles.pop("rollout")
+    return [
+        f"{key} generates while the other roles work, but rollout.device_mapping shares devices with "
+        f"{name}.device_mapping, so the two take turns: give the rollout a device_mapping disjoint from "
+        f"the {name}'s, or leave both unset (CPU workers), or set rollout.async_generation_ratio=0"
+        for name, role in roles.items()
+        if is_colocated(role, rollout)
+    ]
 
 
 def bounds_and_world_sizes(cfg: RLVRConfig | AgenticConfig) -> list[str]:

@@ -23,10 +23,6 @@ ACCEPTED_FORMS = (
     'a list of device indices ([0, 1, 2, 3]) or a string: "range(0,8)", "range(4)", "range(0,8,2)", '
     '"0,1,2,3" or "[0, 1]"'
 )
-# Roles whose devices asynchronous training must keep apart from the rollout role's.
-TRAINING_ROLES = ("actor", "critic")
-ROLLOUT_ROLE = "rollout"
-
 _RANGE = re.compile(r"range\(\s*([^)]*)\)")
 _INT = re.compile(r"[+-]?\d+")
 
@@ -225,34 +221,18 @@ def colocation_groups(roles: Sequence[RoleDevices]) -> list[list[str]]:
     return list(groups.values())
 
 
-def validate_plan(
-    roles: Sequence[RoleDevices], num_devices: int | None, async_training: bool = False
-) -> list[str]:
+def validate_plan(roles: Sequence[RoleDevices], num_devices: int | None) -> list[str]:
     """Problems with the roles' devices taken together, each naming the config key to change; empty
     when the plan is fine. ``num_devices`` is the cluster's device count (None: unknown, not checked).
 
-    Colocation, even partial, is allowed: colocated roles time-share devices. Asynchronous training
-    generates while it trains, so there the rollout role must not share a device with a training role.
-    """
+    Colocation, even partial, is allowed: colocated roles time-share devices (asynchronous generation
+    cannot, ``roll.config.validation.check_async_generation``)."""
     problems: list[str] = []
     if num_devices is not None:
         for role in roles:
             out_of_range = sorted(d for d in role.devices if d >= num_devices)
             if out_of_range:
                 problems.append(_out_of_range_message(role.role, out_of_range, num_devices))
-    if async_training:
-        rollouts = [r for r in roles if r.role == ROLLOUT_ROLE and r.device_mapping is not None]
-        trainers = [r for r in roles if r.role in TRAINING_ROLES and r.device_mapping is not None]
-        for rollout in rollouts:
-            for trainer in trainers:
-                shared = sorted(rollout.devices & trainer.devices)
-                if shared:
-                    problems.append(
-                        f"{rollout.role}.device_mapping: shares device(s) {shared} with "
-                        f"{trainer.role}.device_mapping, but asynchronous training generates while it "
-                        f"trains, so {rollout.role} needs devices of its own; give {rollout.role} and "
-                        f"{trainer.role} disjoint device lists or turn asynchronous training off"
-                    )
     return problems
 
 
