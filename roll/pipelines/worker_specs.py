@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from roll.config.common import ModelConfig
 from roll.config.devices import role_plan
-from roll.config.rlvr import RLVRConfig, tis_cap
+from roll.config.rlvr import RLVRConfig, VLLMConfig, tis_cap
 from roll.distributed.device_mapping import RoleDevices
 from roll.distributed.sync_probe import ProbeSpec, default_tolerance
 from roll.pipelines.onpolicy_distill import onpolicy_teachers, teacher_role
@@ -59,6 +59,13 @@ def lora_spec(section: Any) -> LoraSpec | None:
     if section is None:
         return None
     return from_section(LoraSpec, section, target_modules=tuple(section.target_modules))
+
+
+def engine_options(rollout: Any) -> dict[str, Any]:
+    """The rollout engine's own options: ``rollout.vllm`` (its defaults when unset) for the vllm engine."""
+    if rollout.engine != "vllm":
+        return {}
+    return dataclasses.asdict(rollout.vllm or VLLMConfig())
 
 
 def probe_spec(rollout: Any, model: ModelConfig) -> ProbeSpec | None:
@@ -180,7 +187,9 @@ def plan_workers(cfg: RLVRConfig, model_path: str, rows_vary: bool = False) -> W
     return WorkerPlan(
         actor=actor,
         critic=critic,
-        rollout=from_section(RolloutSpec, rollout, model=inference_model),
+        rollout=from_section(
+            RolloutSpec, rollout, model=inference_model, engine_options=engine_options(rollout)
+        ),
         scheduler=from_section(SchedulerSpec, rollout),
         sampling=sampling,
         # An agentic run's greedy turns keep the training turns' budget (its eval section has none).

@@ -47,6 +47,12 @@ class ModelWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def setup(self, **_: object) -> None:
+        self.set_up_process()
+        self.model = self.load_model(self.config.model)
+        self.model.eval()
+
+    def set_up_process(self) -> None:
+        """Threads, the seed, the device and the tokenizer: everything but the model."""
         from transformers.utils import logging as hf_logging
 
         from roll.models.loading import load_tokenizer
@@ -60,8 +66,6 @@ class ModelWorker(Worker):
         torch.manual_seed(spec.seed + self.rank)
         self.device = pick_device()
         self.tokenizer = load_tokenizer(spec.path)
-        self.model = self.load_model(spec)
-        self.model.eval()
 
     @register(Dispatch.ONE_TO_ALL)
     def warm_up(self) -> None:

@@ -4,7 +4,7 @@ abort, and new weights from the trainer over the weight-transfer group."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -45,6 +45,7 @@ class RolloutSpec:
     engine: str = "hf"
     max_running_requests: int | None = None
     prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS
+    engine_options: dict[str, Any] = field(default_factory=dict)  # the engine's own (rollout.vllm)
 
 
 class RolloutWorker(ModelWorker):
@@ -59,14 +60,11 @@ class RolloutWorker(ModelWorker):
 
     @register(Dispatch.ONE_TO_ALL)
     def setup(self, **kwargs: object) -> None:
-        super().setup(**kwargs)
-        self.engine = INFERENCE_ENGINES.get(getattr(self.config, "engine", "hf"))(
-            self.model,
-            self.tokenizer,
-            self.device,
-            max_running_requests=getattr(self.config, "max_running_requests", None),
-            prefix_cache_tokens=getattr(self.config, "prefix_cache_tokens", DEFAULT_PREFIX_CACHE_TOKENS),
-        )
+        self.set_up_process()
+        spec = self.config if isinstance(self.config, RolloutSpec) else RolloutSpec(self.config.model)
+        # The engine loads the model itself (vLLM from the directory, the hf engine through transformers).
+        self.engine = INFERENCE_ENGINES.get(spec.engine)(spec, self.tokenizer, self.device)
+        self.model = getattr(self.engine, "model", None)  # the hf engine's, for compute_logprobs
         with self.engine.weight_update(INITIAL_WEIGHTS_VERSION):  # labels tokens sampled before any sync
             pass
         self.weights_version = INITIAL_WEIGHTS_VERSION

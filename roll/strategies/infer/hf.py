@@ -166,6 +166,11 @@ class HFEngine(InferenceEngine):
         self._thread = threading.Thread(target=self._serve, name="hf-inference-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def model(self) -> torch.nn.Module:
+        """The served model (the rollout worker scores with it too: ``compute_logprobs``)."""
+        return self._model
+
     # ----- single requests -------------------------------------------------------------------------
 
     def submit(self, request: GenerateRequest) -> None:

