@@ -159,9 +159,11 @@ def test_weights_that_do_not_fit_are_refused_before_any_is_copied(engine: VLLMEn
     assert engine.prompt_logprobs([[1, 2, 3, 4]])[0] == before  # nothing changed, still serving
 
 
+@pytest.mark.slow
 def test_an_rl_run_generates_with_vllm_and_every_weight_sync_lands(tmp_path, repo_root) -> None:
     """The quickstart's RL loop for three steps with its rollout worker on vLLM (in a Ray actor, weights
-    from the trainer through shared memory): the sync probe after every step agrees with the trainer."""
+    from the trainer through shared memory): the sync probe after every step agrees with the trainer.
+    A whole run (about a minute) because the worker's setup, the transfer and the probe only meet there."""
     from test_pipelines_cli import metrics, roll_train
 
     out = tmp_path / "run"

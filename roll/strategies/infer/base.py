@@ -18,6 +18,7 @@ from roll.utils.registry import Registry
 
 __all__ = [
     "INFERENCE_ENGINES",
+    "copy_by_name",
     "InferenceEngine",
     "NamedTensors",
 ]
@@ -197,3 +198,27 @@ class InferenceEngine(abc.ABC):
 # Name -> factory building an engine. Factories import their backend inside, so an optional engine
 # (vLLM, SGLang) costs nothing until chosen and can fail with a message naming the extra to install.
 INFERENCE_ENGINES: Registry[Callable[..., InferenceEngine]] = Registry("inference engine")
+
+
+def copy_by_name(
+    targets: dict[str, torch.Tensor], items: Iterable[tuple[str, torch.Tensor]], check_only: bool
+) -> None:
+    """Copy (name, tensor) pairs into ``targets`` (or only check them); raise listing every bad pair."""
+    unknown: list[str] = []
+    mismatched: list[str] = []
+    with torch.no_grad():
+        for name, tensor in items:
+            target = targets.get(name)
+            if target is None:
+                unknown.append(name)
+            elif target.shape != tensor.shape:
+                mismatched.append(f"{name} {tuple(tensor.shape)} (model: {tuple(target.shape)})")
+            elif not check_only:
+                target.copy_(tensor)
+    if unknown or mismatched:
+        problems = []
+        if unknown:
+            problems.append(f"unknown names {unknown}")
+        if mismatched:
+            problems.append(f"mismatched shapes {mismatched}")
+        raise ValueError(f"weights do not match the inference model: {'; '.join(problems)}")

@@ -24,7 +24,6 @@ import contextlib
 import itertools
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -36,9 +35,10 @@ from roll.data.padding import left_pad, position_ids_from_mask
 from roll.models.loading import end_of_sequence_ids
 from roll.strategies.cpu_threads import decode_threads
 from roll.strategies.infer.adapter_merge import AdapterMerger
-from roll.strategies.infer.base import InferenceEngine, NamedTensors
+from roll.strategies.infer.base import InferenceEngine, NamedTensors, copy_by_name
 from roll.strategies.infer.kv_cache import SlotCache
 from roll.strategies.infer.prefix_store import DEFAULT_PREFIX_CACHE_TOKENS, PrefixStore, StoredPrefix
+from roll.strategies.infer.requests_held import INTERNAL_ID_PREFIX, RequestsHeld, results_as_batch
 from roll.strategies.offload import HostBuffers
 from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 from roll.strategies.sampling import sample_tokens
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HFEngine"]
 
-_BATCH_ID_PREFIX = "\x00batch"  # ids of the requests ``generate`` makes; no caller id starts with NUL
+_BATCH_ID_PREFIX = f"{INTERNAL_ID_PREFIX}batch"  # ids of the requests ``generate`` makes
 
 
 @dataclass
@@ -90,7 +90,7 @@ def _cache_argument(model: torch.nn.Module) -> str:
     return "cache" if forward_takes(model, "cache") else "past_key_values"
 
 
-class HFEngine(InferenceEngine):
+class HFEngine(RequestsHeld, InferenceEngine):
     """Serves ``model`` with continuous batching: batch generation and single requests.
 
     Args:
@@ -140,17 +140,11 @@ class HFEngine(InferenceEngine):
         # use of the model (one decode step, weight copies, device moves), so weights change only
         # between steps; _state_lock guards the request book-keeping and is only held briefly.
         self._model_lock = threading.RLock()  # re-entered by load_weights inside weight_update
-        self._state_lock = threading.Lock()
+        self._hold_requests()  # _state_lock, _entries, the line of finished ids, _closed
         self._wakeup = threading.Condition(self._state_lock)
-        self._entries: dict[str, _Entry] = {}
-        # Ids of finished, uncollected single requests in finish order, for collect_finished. await_result
-        # takes its id out too, so the line stays short for callers that never collect.
-        self._finished: deque[str] = deque()
-        self._finished_ready = threading.Condition(self._state_lock)
         self._queue: list[_Entry] = []
         self._released = False
         self._host_buffers = HostBuffers()  # where the weights wait while a colocated trainer has the device
-        self._closed = False
         self._model_waiters = 0  # callers waiting for the model lock; the decode loop yields to them
         self._weights_version = -1
         # Bumped at every weight change (with or without a version), under the model lock: a row whose KV
@@ -187,37 +181,6 @@ class HFEngine(InferenceEngine):
             if not isinstance(request, GenerateRequest):
                 raise TypeError(f"submit_many takes GenerateRequests, got a {type(request).__name__}")
         self._enqueue(requests)
-
-    def collect_finished(self, timeout_s: float) -> list[GenerateResult]:
-        """Hand over every finished single request at once; see ``InferenceEngine.collect_finished``."""
-        deadline = time.monotonic() + timeout_s
-        with self._state_lock:
-            while True:
-                results = self._take_finished()
-                remaining = deadline - time.monotonic()
-                if results or self._closed or remaining <= 0:
-                    return results
-                self._finished_ready.wait(remaining)
-
-    def await_result(self, request_id: str, timeout_s: float | None) -> GenerateResult:
-        """Wait for ``request_id``'s result and hand it over; see ``InferenceEngine.await_result``."""
-        with self._state_lock:
-            entry = self._entries.get(request_id)
-        if entry is None:
-            raise KeyError(f"request {request_id!r} is unknown: never submitted, or its result was collected")
-        if not entry.done.wait(timeout_s):
-            raise TimeoutError(f"request {request_id!r} did not finish within {timeout_s} s")
-        with self._state_lock:
-            if self._entries.get(request_id) is not entry:
-                # Handed over while this call waited (collect_finished, another awaiter): exactly once.
-                raise KeyError(f"request {request_id!r}'s result was collected by another call")
-            del self._entries[request_id]
-            if not request_id.startswith(_BATCH_ID_PREFIX):  # generate's rows never join the line
-                self._finished.remove(request_id)
-        if entry.error is not None:
-            raise RuntimeError(f"generation of request {request_id!r} failed: {entry.error}") from entry.error
-        assert entry.result is not None  # done is set only after result or error
-        return entry.result
 
     def abort(self, request_id: str) -> bool:
         """Abort ``request_id``; see ``InferenceEngine.abort``. A running request keeps the token of the
@@ -270,10 +233,10 @@ class HFEngine(InferenceEngine):
             targets: dict[str, torch.Tensor] = dict(self._model.named_parameters(remove_duplicate=False))
             targets.update(self._model.named_buffers(remove_duplicate=False))
             if isinstance(named_tensors, Mapping):
-                _copy_by_name(targets, named_tensors.items(), check_only=True)
+                copy_by_name(targets, named_tensors.items(), check_only=True)
                 named_tensors = named_tensors.items()
             try:
-                _copy_by_name(targets, named_tensors, check_only=False)
+                copy_by_name(targets, named_tensors, check_only=False)
             finally:  # a stream that failed half way has changed weights all the same
                 self._new_weights()
             if version is not None:
@@ -611,10 +574,7 @@ class HFEngine(InferenceEngine):
         """Queue ``requests`` together, so that they are admitted at the same step when slots allow."""
         with self._state_lock:
             self._check_serving()
-            ids = [request.request_id for request in requests]
-            taken = [i for i in ids if i in self._entries] or [i for i in set(ids) if ids.count(i) > 1]
-            if taken:
-                raise ValueError(f"request id {taken[0]!r} is already in use (unfinished or not yet awaited)")
+            self._check_new_ids(requests)
             for request in requests:
                 entry = _Entry(request)
                 self._entries[request.request_id] = entry
@@ -626,33 +586,7 @@ class HFEngine(InferenceEngine):
     ) -> None:
         """Publish an outcome and wake the awaiting caller (caller holds the state lock)."""
         entry.result, entry.error, entry.running = result, error, False
-        entry.done.set()
-        request_id = entry.request.request_id
-        if not request_id.startswith(_BATCH_ID_PREFIX):  # generate awaits its own rows
-            self._finished.append(request_id)
-            self._finished_ready.notify_all()
-
-    def _take_finished(self) -> list[GenerateResult]:
-        """Remove and return the finished results nobody collected yet (caller holds the state lock).
-
-        A failed request raises here; it is forgotten, while the results taken before it go back to the
-        front of the line, so the next call still hands them over in finish order.
-        """
-        taken: list[str] = []
-        while self._finished:
-            request_id = self._finished.popleft()
-            error = self._entries[request_id].error
-            if error is not None:
-                del self._entries[request_id]
-                self._finished.extendleft(reversed(taken))
-                raise RuntimeError(f"generation of request {request_id!r} failed: {error}") from error
-            taken.append(request_id)
-        results = []
-        for request_id in taken:
-            result = self._entries.pop(request_id).result
-            assert result is not None  # finished without an error: a result was published
-            results.append(result)
-        return results
+        self._published(entry)
 
     def _check_serving(self) -> None:
         """Raise unless new work is accepted (caller holds the state lock)."""
@@ -664,48 +598,9 @@ class HFEngine(InferenceEngine):
             )
 
     def _as_batch(self, results: list[GenerateResult], max_new_tokens: int) -> Batch:
-        """Right-pad the results into ``generate``'s output tensors (one tensor build each)."""
-        lengths = [len(result.token_ids) for result in results]
-        padding = [max_new_tokens - length for length in lengths]
-        response_ids = torch.tensor(
-            [r.token_ids + [self._pad_id] * pad for r, pad in zip(results, padding)], dtype=torch.long
-        ).view(len(results), max_new_tokens)
-        mask = (torch.arange(max_new_tokens) < torch.tensor(lengths).unsqueeze(1)).long()
-        logprobs = torch.tensor(
-            [r.logprobs + [0.0] * pad for r, pad in zip(results, padding)], dtype=torch.float32
-        ).view(len(results), max_new_tokens)
-        out = Batch(
-            tensors={"response_ids": response_ids, "response_mask": mask, "rollout_logprobs": logprobs},
-            non_tensors={"finish_reason": [result.finish_reason for result in results]},
-        )
-        out["response_text"] = self._tokenizer.batch_decode(response_ids, skip_special_tokens=True)
-        return out
+        return results_as_batch(results, max_new_tokens, self._pad_id, self._tokenizer)
 
 
 def _left_pad_columns(mask: torch.Tensor, width: int) -> torch.Tensor:
     missing = width - mask.shape[1]
     return torch.nn.functional.pad(mask, (missing, 0)) if missing else mask
-
-
-def _copy_by_name(
-    targets: dict[str, torch.Tensor], items: Iterable[tuple[str, torch.Tensor]], check_only: bool
-) -> None:
-    """Copy (name, tensor) pairs into ``targets`` (or only check them); raise listing every bad pair."""
-    unknown: list[str] = []
-    mismatched: list[str] = []
-    with torch.no_grad():
-        for name, tensor in items:
-            target = targets.get(name)
-            if target is None:
-                unknown.append(name)
-            elif target.shape != tensor.shape:
-                mismatched.append(f"{name} {tuple(tensor.shape)} (model: {tuple(target.shape)})")
-            elif not check_only:
-                target.copy_(tensor)
-    if unknown or mismatched:
-        problems = []
-        if unknown:
-            problems.append(f"unknown names {unknown}")
-        if mismatched:
-            problems.append(f"mismatched shapes {mismatched}")
-        raise ValueError(f"weights do not match the inference model: {'; '.join(problems)}")

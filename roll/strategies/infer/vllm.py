@@ -21,8 +21,6 @@ import itertools
 import json
 import os
 import threading
-import time
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +31,8 @@ import torch
 
 from roll.data.batch import Batch
 from roll.models.loading import end_of_sequence_ids
-from roll.strategies.infer.base import InferenceEngine, NamedTensors
+from roll.strategies.infer.base import InferenceEngine, NamedTensors, copy_by_name
+from roll.strategies.infer.requests_held import INTERNAL_ID_PREFIX, RequestsHeld, results_as_batch
 from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 
 __all__ = ["VLLMEngine"]
@@ -47,7 +46,6 @@ VLLM_ENVIRONMENT = {
     "VLLM_HOST_IP": "127.0.0.1",
     "HF_HUB_OFFLINE": "1",
 }
-_INTERNAL = "\x00"  # starts the ids of generate's rows and of the probe's requests; no caller's id does
 
 
 def import_vllm() -> Any:
@@ -78,7 +76,7 @@ class _Entry:
     error: Exception | None = None
 
 
-class VLLMEngine(InferenceEngine):
+class VLLMEngine(RequestsHeld, InferenceEngine):
     """Serves the Hugging Face model directory ``model_path`` with vLLM.
 
     Args:
@@ -135,16 +133,12 @@ class VLLMEngine(InferenceEngine):
         # Lock order: _engine_lock before _state_lock. _engine_lock is held for every use of vLLM's
         # engine (a step, a weight copy), so weights change only between steps.
         self._engine_lock = threading.RLock()
-        self._state_lock = threading.Lock()
+        self._hold_requests()  # _state_lock, _entries, the line of finished ids, _closed
         self._wakeup = threading.Condition(self._state_lock)
-        self._finished_ready = threading.Condition(self._state_lock)
-        self._entries: dict[str, _Entry] = {}
-        self._finished: deque[str] = deque()  # finished single requests, in finish order
         self._new: list[_Entry] = []  # submitted, not yet given to vLLM
         self._aborts: list[str] = []  # running requests to abort before the next step
         self._running = 0
         self._version = -1
-        self._closed = False
         self._internal_ids = itertools.count()
         self._thread = threading.Thread(target=self._serve, name="vllm-engine", daemon=True)
         self._thread.start()
@@ -156,21 +150,6 @@ class VLLMEngine(InferenceEngine):
 
     def submit_many(self, requests: Sequence[GenerateRequest]) -> None:
         self._enqueue([_Entry(request) for request in requests])
-
-    def collect_finished(self, timeout_s: float) -> list[GenerateResult]:
-        deadline = time.monotonic() + timeout_s
-        with self._state_lock:
-            while True:
-                results = self._take_finished()
-                remaining = deadline - time.monotonic()
-                if results or self._closed or remaining <= 0:
-                    return results
-                self._finished_ready.wait(remaining)
-
-    def await_result(self, request_id: str, timeout_s: float | None) -> GenerateResult:
-        entry = self._await(request_id, timeout_s)
-        assert entry.result is not None
-        return entry.result
 
     def abort(self, request_id: str) -> bool:
         with self._state_lock:
@@ -189,20 +168,20 @@ class VLLMEngine(InferenceEngine):
 
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"].bool()
-        tag = f"{_INTERNAL}batch{next(self._internal_ids)}-"
+        tag = f"{INTERNAL_ID_PREFIX}batch{next(self._internal_ids)}-"
         entries = [
             _Entry(GenerateRequest(f"{tag}{row}", prompt_ids[row][prompt_mask[row]].tolist(), params))
             for row in range(prompt_ids.shape[0])
         ]
         self._enqueue(entries)
         results = [self.await_result(entry.request.request_id, None) for entry in entries]
-        return _as_batch(results, params.max_new_tokens, self._pad_id, self._tokenizer)
+        return results_as_batch(results, params.max_new_tokens, self._pad_id, self._tokenizer)
 
     def load_weights(self, named_tensors: NamedTensors, version: int | None = None) -> None:
         """Copy the tensors into vLLM's model by name, between two steps; all names and shapes are checked
         first (a failed copy inside vLLM would leave its layers unusable)."""
         pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        self._check_weights(pairs)
+        copy_by_name(self._weight_shapes, pairs, check_only=True)  # shapes on the meta device
         names = {name for name, _ in pairs}
         if self._tied and "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
             # vLLM's CPU reload keeps the old head of a tied model unless the head is sent as well.
@@ -214,14 +193,14 @@ class VLLMEngine(InferenceEngine):
                 self._version = version
 
     def prompt_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
-        tag = f"{_INTERNAL}probe{next(self._internal_ids)}-"
+        tag = f"{INTERNAL_ID_PREFIX}probe{next(self._internal_ids)}-"
         greedy_one = SamplingParams(max_new_tokens=1, greedy=True)
         entries = [
             _Entry(GenerateRequest(f"{tag}{i}", ids, greedy_one), probe=True)
             for i, ids in enumerate(token_ids)
         ]
         self._enqueue(entries)
-        scored = [self._await(entry.request.request_id, None).prompt_logprobs for entry in entries]
+        scored = [self._await_entry(entry.request.request_id, None).prompt_logprobs for entry in entries]
         return [list(values or []) for values in scored]
 
     @contextlib.contextmanager
@@ -337,10 +316,7 @@ class VLLMEngine(InferenceEngine):
         with self._state_lock:
             if self._closed:
                 raise RuntimeError("the inference engine is shut down")
-            ids = [entry.request.request_id for entry in entries]
-            taken = [i for i in ids if i in self._entries] or [i for i in set(ids) if ids.count(i) > 1]
-            if taken:
-                raise ValueError(f"request id {taken[0]!r} is already in use (unfinished or not yet awaited)")
+            self._check_new_ids([entry.request for entry in entries])
             for entry in entries:
                 params = entry.request.params
                 if not entry.probe and not params.greedy and (params.top_k > 0 or params.top_p < 1.0):
@@ -362,54 +338,7 @@ class VLLMEngine(InferenceEngine):
         if entry.running:
             self._running -= 1
         entry.running = False
-        entry.done.set()
-        if not request_id.startswith(_INTERNAL):
-            self._finished.append(request_id)
-            self._finished_ready.notify_all()
-
-    def _await(self, request_id: str, timeout_s: float | None) -> _Entry:
-        with self._state_lock:
-            entry = self._entries.get(request_id)
-        if entry is None:
-            raise KeyError(f"request {request_id!r} is unknown: never submitted, or its result was collected")
-        if not entry.done.wait(timeout_s):
-            raise TimeoutError(f"request {request_id!r} did not finish within {timeout_s} s")
-        with self._state_lock:
-            if self._entries.get(request_id) is not entry:
-                raise KeyError(f"request {request_id!r}'s result was collected by another call")
-            del self._entries[request_id]
-            if not request_id.startswith(_INTERNAL):
-                self._finished.remove(request_id)
-        if entry.error is not None:
-            raise RuntimeError(f"generation of request {request_id!r} failed: {entry.error}") from entry.error
-        return entry
-
-    def _take_finished(self) -> list[GenerateResult]:
-        results = []
-        while self._finished:
-            entry = self._entries.pop(self._finished.popleft())
-            if entry.error is not None:
-                raise RuntimeError(
-                    f"generation of request {entry.request.request_id!r} failed: {entry.error}"
-                ) from entry.error
-            assert entry.result is not None
-            results.append(entry.result)
-        return results
-
-    def _check_weights(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        unknown = [name for name, _ in pairs if name not in self._weight_shapes]
-        mismatched = [
-            f"{name} {tuple(tensor.shape)} (model: {self._weight_shapes[name]})"
-            for name, tensor in pairs
-            if name in self._weight_shapes and tuple(tensor.shape) != self._weight_shapes[name]
-        ]
-        if unknown or mismatched:
-            problems = []
-            if unknown:
-                problems.append(f"unknown names {unknown}")
-            if mismatched:
-                problems.append(f"mismatched shapes {mismatched}")
-            raise ValueError(f"weights do not match the inference model: {'; '.join(problems)}")
+        self._published(entry)
 
 
 def _with_generation_config(model_path: str) -> Any:
@@ -422,36 +351,18 @@ def _with_generation_config(model_path: str) -> Any:
         return None
 
 
-def _checkpoint_weights(path: Path) -> tuple[dict[str, tuple[int, ...]], bool]:
-    """The weight names and shapes of a Hugging Face model directory (read from the safetensors headers,
-    no tensor loaded), and whether its head is tied to the embedding."""
+def _checkpoint_weights(path: Path) -> tuple[dict[str, torch.Tensor], bool]:
+    """The weights of a Hugging Face model directory as tensors of their shapes on the meta device (from
+    the safetensors headers: nothing is loaded), and whether its head is tied to the embedding."""
     from safetensors import safe_open
 
-    shapes: dict[str, tuple[int, ...]] = {}
+    shapes: dict[str, torch.Tensor] = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), "pt") as tensors:
             for name in tensors.keys():  # noqa: SIM118 - safe_open has no __iter__
-                shapes[name] = tuple(tensors.get_slice(name).get_shape())
+                shapes[name] = torch.empty(tensors.get_slice(name).get_shape(), device="meta")
     config = json.loads((path / "config.json").read_text())
     tied = bool(config.get("tie_word_embeddings", False))
     if tied and "model.embed_tokens.weight" in shapes:
         shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
     return shapes, tied
-
-
-def _as_batch(results: list[GenerateResult], max_new_tokens: int, pad_id: int, tokenizer: Any) -> Batch:
-    """Right-pad the results into ``generate``'s output tensors."""
-    lengths = [len(result.token_ids) for result in results]
-    response_ids = torch.tensor(
-        [r.token_ids + [pad_id] * (max_new_tokens - n) for r, n in zip(results, lengths)], dtype=torch.long
-    ).view(len(results), max_new_tokens)
-    mask = (torch.arange(max_new_tokens) < torch.tensor(lengths).unsqueeze(1)).long()
-    logprobs = torch.tensor(
-        [r.logprobs + [0.0] * (max_new_tokens - n) for r, n in zip(results, lengths)], dtype=torch.float32
-    ).view(len(results), max_new_tokens)
-    out = Batch(
-        tensors={"response_ids": response_ids, "response_mask": mask, "rollout_logprobs": logprobs},
-        non_tensors={"finish_reason": [result.finish_reason for result in results]},
-    )
-    out["response_text"] = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
-    return out
