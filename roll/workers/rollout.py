@@ -1,6 +1,6 @@
-"""Rollout worker: one data-parallel inference engine, chosen by name (``rollout.engine``; Hugging Face
-for now, vLLM/SGLang fit the same ``InferenceEngine`` contract). Batch generation, single requests with
-abort, and new weights from the trainer over the weight-transfer group."""
+"""Rollout worker: one data-parallel inference engine, chosen by name (``rollout.engine``: ``hf`` or
+``vllm``, both behind the ``InferenceEngine`` contract) and built from the worker's spec. Batch
+generation, single requests with abort, and new weights from the trainer over the weight-transfer group."""
 
 from __future__ import annotations
 

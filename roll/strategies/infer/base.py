@@ -35,9 +35,9 @@ class InferenceEngine(abc.ABC):
     dynamic sampling that stops once enough samples are in). A scheduler driving many requests uses
     ``submit_many`` (a group of samples of one prompt starts together) and ``collect_finished``
     (whatever finished, in one call, instead of one blocking ``await_result`` per request). The
-    contract is drawn so that vLLM's ``AsyncLLMEngine`` (``add_request`` / ``abort``) and SGLang's
-    engine fit it; their adapters are a later issue. ``HFEngine`` (``roll.strategies.infer.hf``,
-    continuous batching over any Hugging Face causal LM) is the implementation used today.
+    contract is drawn so that vLLM's and SGLang's engines (``add_request`` / ``abort``) fit it.
+    ``HFEngine`` (``roll.strategies.infer.hf``, continuous batching over any Hugging Face causal LM) and
+    ``VLLMEngine`` (``roll.strategies.infer.vllm``, vLLM stepped in the worker's process) implement it.
 
     Rules every engine keeps:
       - The single-request methods may be called from any thread, also while a generation runs (the
