@@ -418,6 +418,20 @@ def test_truncated_is_weights_by_hand():
         truncated_is_weights(old, rollout, mask, cap=0.5)
 
 
+def test_engine_mismatch_is_over_the_trained_tokens_only():
+    from roll.workers.actor_losses import engine_mismatch
+
+    trainer = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
+    engine = torch.tensor(
+        [[-1.25, -1.5, -0.5, -9.0]]
+    )  # the last token is not trained: its gap is not counted
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert engine_mismatch(trainer, engine, mask) == pytest.approx(
+        {"logprob_diff_mean": 0.25, "logprob_diff_max": 0.5}  # (0.25 + 0.5 + 0) / 3
+    )
+    assert engine_mismatch(trainer, engine, torch.zeros(1, 4))["logprob_diff_max"] == 0.0
+
+
 # --------------------------------------------------------------------------------------- KL controller
 
 

@@ -118,6 +118,24 @@ def test_mean_metrics_of_a_single_rank_is_that_rank():
     assert mean_metrics([{"a": 1.5}]) == {"a": 1.5}
 
 
+def test_maxima_stay_maxima_over_micro_batches_optimizer_steps_and_ranks():
+    """A ``*_max`` metric (``ratio_max``, ``logprob_diff_max``) is the largest value, not an average of
+    the parts' maxima; other metrics are averaged and loss terms summed over micro-batches as before."""
+    from roll.workers.trainer import _accumulate, _step_values
+
+    sums: dict[str, float] = {}
+    for micro in (
+        {"ratio_max": 1.5, "ratio_mean": 1.0, "loss": 0.25},
+        {"ratio_max": 3.0, "ratio_mean": 2.0, "loss": 0.5},
+    ):
+        _accumulate(sums, micro)
+    assert _step_values(sums) == pytest.approx({"ratio_max": 3.0, "ratio_mean": 1.5, "loss": 0.75})
+    ranks = [{"ratio_max": 3.0, "ratio_mean": 1.5}, {"ratio_max": 7.0, "ratio_mean": 0.5}]
+    assert DISPATCH_MODES[Dispatch.DP_COMPUTE].collect(ranks) == pytest.approx(
+        {"ratio_max": 7.0, "ratio_mean": 1.0}
+    )
+
+
 # ------------------------------------------------------------------ RANK_ZERO
 
 

@@ -396,4 +396,5 @@ def test_lora_quickstart_learns_syncing_only_the_adapter(
     # Rank-8 adapters on the 7 linear layers of 2 blocks: 45,056 float32 weights a sync, every sync.
     assert {row["sync/bytes"] for row in steps} == {45056 * 4}
     assert max(row["sync/max_logprob_diff"] for row in steps) < 1e-4
+    assert max(row["rollout/logprob_diff_max"] for row in steps) < 1e-3  # sampled with the trained weights
     assert (out / "model" / "adapter_config.json").is_file() and not (out / "model" / "config.json").exists()

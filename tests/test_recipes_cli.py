@@ -75,7 +75,7 @@ def test_recipe_trains_two_steps(recipe, tmp_path):
                 "algorithm.kl_target=0.001",
                 "algorithm.kl_horizon=100",
             ],
-            ["actor/dual_clip_frac", "actor/tis_weight_mean", "actor/kl", "actor/kl_coef"],
+            ["actor/dual_clip_frac", "actor/tis_weight_mean", "rollout/logprob_diff_max", "actor/kl"],
         ),
         (
             # CISPO with KL in the reward, REINFORCE++-baseline advantages and reward shaping.
@@ -181,4 +181,5 @@ def test_async_training_corrects_stale_samples_and_says_so(tmp_path, capsys):
     assert stale, [row["rollout/staleness_mean"] for row in rows]
     for row in stale:  # samples a version old: the trainer's and the engine's probabilities differ
         assert abs(row["actor/tis_weight_mean"] - 1.0) > 1e-4, row
+        assert row["rollout/logprob_diff_mean"] > 1e-4, row  # the engine/trainer mismatch shows the lag
         assert 0.0 <= row["actor/tis_clip_frac"] <= 1.0

@@ -119,6 +119,31 @@ def test_abort_ends_a_request_with_its_tokens_so_far(engine: VLLMEngine) -> None
         engine.submit(GenerateRequest("k", [1, 2], SamplingParams(top_k=5)))
 
 
+def test_a_turn_that_continues_an_episode_reuses_its_prefix_and_samples_as_the_model(
+    engine: VLLMEngine, hf: torch.nn.Module
+) -> None:
+    """An agentic turn's prompt is the episode so far: vLLM's prefix cache finds the earlier turn's KV by
+    content (in 128-token blocks on a CPU), so the turn computes only its new tokens, and what it samples
+    is still the model's (against a teacher-forced pass of the whole prompt)."""
+    prompt = [(i * 3 + 1) % 12 for i in range(150)]  # longer than one cache block
+    greedy = SamplingParams(max_new_tokens=4, greedy=True)
+    first = run(engine, [GenerateRequest("turn-1", prompt, greedy)])["turn-1"]
+    before = engine.prefix_stats()
+    episode = prompt + first.token_ids + [5, 6, 7]  # the first turn, its answer, the environment's reply
+    sampled = SamplingParams(max_new_tokens=4, temperature=TEMPERATURE)
+    second = run(engine, [GenerateRequest("turn-2", episode, sampled)])["turn-2"]
+    after = engine.prefix_stats()
+    reused = after["reused_tokens"] - before["reused_tokens"]
+    assert after["hits"] == before["hits"] + 1 and reused >= 128
+    assert after["prefill_tokens"] - before["prefill_tokens"] == len(episode) - reused
+    torch.testing.assert_close(
+        torch.tensor(second.logprobs),
+        teacher_forced(hf, episode, second.token_ids, TEMPERATURE),
+        atol=1e-4,
+        rtol=0,
+    )
+
+
 def test_new_weights_take_effect_with_their_version_and_no_stale_prefix(
     engine: VLLMEngine, hf: torch.nn.Module
 ) -> None:
@@ -152,6 +177,31 @@ def test_new_weights_take_effect_with_their_version_and_no_stale_prefix(
     )
 
 
+def test_a_lora_trainers_merged_weights_serve_the_adapted_model(
+    engine: VLLMEngine, hf: torch.nn.Module, model_path: str
+) -> None:
+    """LoRA with vLLM: the engine loads no adapters (``loads_adapters`` is False), so a LoRA trainer sends
+    its merged weights (``outgoing_weights(..., MERGED)``), and the engine then scores as the adapted
+    model does."""
+    from roll.strategies.lora import MERGED, LoraSpec, apply_lora, outgoing_weights
+
+    assert not engine.loads_adapters
+    adapted = apply_lora(hf, LoraSpec(rank=4), model_path)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, weight in adapted.named_parameters():
+            if "lora_B" in name:  # peft starts B at 0: an adapter that changes nothing would prove nothing
+                weight.normal_(0.0, 0.05)
+    prompt = [(i * 5) % 12 for i in range(40)]
+    before = torch.tensor(engine.prompt_logprobs([prompt])[0])
+    with engine.weight_update(9):
+        engine.load_weights([(weight.name, weight.gather()) for weight in outgoing_weights(adapted, MERGED)])
+    after = torch.tensor(engine.prompt_logprobs([prompt])[0])
+    expected = teacher_forced(adapted, prompt[:1], prompt[1:], 1.0)
+    torch.testing.assert_close(after, expected, atol=1e-4, rtol=0)
+    assert (before - expected).abs().max() > 1e-2  # the adapter moved what the engine serves
+
+
 def test_weights_that_do_not_fit_are_refused_before_any_is_copied(engine: VLLMEngine) -> None:
     before = engine.prompt_logprobs([[1, 2, 3, 4]])[0]
     with pytest.raises(ValueError, match=r"unknown names \['model.nope'\].*mismatched shapes"):
@@ -160,16 +210,69 @@ def test_weights_that_do_not_fit_are_refused_before_any_is_copied(engine: VLLMEn
 
 
 @pytest.mark.slow
-def test_an_rl_run_generates_with_vllm_and_every_weight_sync_lands(tmp_path, repo_root) -> None:
+@pytest.mark.usefixtures("ray_session", "at_repo_root")
+def test_an_rl_run_on_vllm_syncs_every_step_and_replaces_a_killed_rollout_worker(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The quickstart's RL loop for three steps with its rollout worker on vLLM (in a Ray actor, weights
-    from the trainer through shared memory): the sync probe after every step agrees with the trainer.
-    A whole run (about a minute) because the worker's setup, the transfer and the probe only meet there."""
-    from test_pipelines_cli import metrics, roll_train
+    from the trainer through shared memory). The rollout worker is killed (SIGKILL) before step 2: a new
+    one starts its own vLLM engine and takes the trainer's weights, and no step is lost. After every step
+    the sync probe agrees with the trainer, and so do the logprobs vLLM sampled with (the mismatch logged
+    as rollout/logprob_diff_*). A whole run because the worker's setup, the transfer, the probe and the
+    recovery only meet there."""
+    import logging
+    import signal
+
+    from test_pipelines_cli import metrics
+
+    from roll.config.loader import load_config
+    from roll.pipelines.rlvr import RLVRPipeline
 
     out = tmp_path / "run"
-    overrides = ["rollout.engine=vllm", "steps=3", "sft_warm_start=null", "eval.every_steps=3"]
-    roll_train(repo_root, "examples/quickstart.yaml", *overrides, f"output_dir={out}")
-    steps = [row for row in metrics(out) if "sync/max_logprob_diff" in row]
+    overrides = ["rollout.engine=vllm", "steps=3", "sft_warm_start=null", "eval.every_steps=0"]
+    overrides += [f"output_dir={out}", "data.eval_path=null", "tracking.backends=[jsonl]"]
+    pipeline = RLVRPipeline(load_config("examples/quickstart.yaml", overrides))
+    killed = pipeline.rollout
+    step = pipeline.step
+
+    def kill_before(number: int) -> dict[str, float]:
+        if number == 2:
+            os.kill(killed.ping()[0]["pid"], signal.SIGKILL)
+        return step(number)
+
+    pipeline.step = kill_before
+    try:
+        with caplog.at_level(logging.WARNING):
+            pipeline._train()
+        assert pipeline.rollout is not killed and pipeline.budget.restarts == 1
+        assert "replaced the rollout workers" in caplog.text
+    finally:
+        pipeline.shutdown()
+    steps = metrics(out)
     assert [row["step"] for row in steps] == [1, 2, 3]
     assert max(row["sync/max_logprob_diff"] for row in steps) < 1e-3
+    assert max(row["rollout/logprob_diff_max"] for row in steps) < 1e-3
     assert all(row["rollout/samples"] == 64 for row in steps)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_session", "at_repo_root")
+def test_asynchronous_rl_on_vllm_trains_on_samples_a_version_old(tmp_path) -> None:
+    """``examples/async.yaml`` on vLLM: the rollout worker generates the next step's samples while the
+    actor trains, so samples are a version old; the mismatch (rollout/logprob_diff_*) shows that lag, the
+    importance weights correct it, and every weight sync still lands."""
+    from test_pipelines_cli import metrics
+    from test_recipes_cli import train_in_process
+
+    out = tmp_path / "run"
+    common = ["steps=4", "sft_warm_start=null", "eval.every_steps=0", "tracking.backends=[jsonl]"]
+    # From the random model every reward is 0: an entropy bonus and a high learning rate move it anyway.
+    moving = ["actor.lr=1e-2", "algorithm.entropy_coef=0.01"]
+    train_in_process("examples/async.yaml", "rollout.engine=vllm", f"output_dir={out}", *moving, *common)
+    rows = [row for row in metrics(out) if "actor/loss" in row]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    stale = [row for row in rows if row["rollout/staleness_mean"] > 0]
+    assert stale, [row["rollout/staleness_mean"] for row in rows]
+    assert all(row["rollout/logprob_diff_mean"] > 1e-4 for row in stale)
+    assert all(abs(row["actor/tis_weight_mean"] - 1.0) > 1e-4 for row in stale)
+    assert max(row["sync/max_logprob_diff"] for row in rows) < 1e-3

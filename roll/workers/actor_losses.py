@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from roll.algorithms.functional import masked_mean
 from roll.data.batch import Batch
 from roll.data.masks import loss_mask
 from roll.strategies.hf_forward import pair_logprobs, response_logits, response_logprobs
@@ -89,7 +90,8 @@ def policy_loss(
     """The policy loss (plus the entropy bonus and the KL penalty when configured). Needs ``advantages``;
     uses ``old_logprobs`` when present, else the current logprobs detached (exact when each batch gets a
     single optimizer step, and saves a forward pass); ``ref_logprobs`` when ``kl_coef > 0``;
-    ``rollout_logprobs`` when the off-policy correction is on (``tis_cap``)."""
+    ``rollout_logprobs`` when the off-policy correction is on (``tis_cap``), and for ``engine_mismatch``
+    whenever the batch has them."""
     from roll.algorithms import POLICY_LOSSES
     from roll.algorithms.losses import entropy_loss, kl_penalty_loss, truncated_is_weights
     from roll.utils.registry import accepted_kwargs
@@ -99,8 +101,11 @@ def policy_loss(
     old = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
     advantages = micro["advantages"]
     metrics: dict[str, float] = {}
+    if "rollout_logprobs" in micro:
+        metrics.update(engine_mismatch(old, micro["rollout_logprobs"], mask))
     if spec.tis_cap is not None:
-        weights, metrics = truncated_is_weights(old, micro["rollout_logprobs"], mask, spec.tis_cap)
+        weights, tis_metrics = truncated_is_weights(old, micro["rollout_logprobs"], mask, spec.tis_cap)
+        metrics.update(tis_metrics)
         advantages = advantages * weights
     agg = {"loss_agg_mode": spec.loss_agg_mode, "denominator": denominator}
     loss_fn = POLICY_LOSSES.get(spec.policy_loss)
@@ -120,6 +125,23 @@ def policy_loss(
         loss = loss + kl_coef * kl
         metrics["kl"] = kl.item()
     return loss, {**metrics, "entropy": entropy_term.item(), "loss": loss.item()}
+
+
+MISMATCH_METRICS = ("logprob_diff_mean", "logprob_diff_max")
+
+
+@torch.no_grad()
+def engine_mismatch(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the rollout engine's logprobs of the sampled tokens are from the trainer's before the
+    update: ``logprob_diff_mean`` and ``logprob_diff_max`` of ``|engine - trainer|`` over the trained
+    tokens. Kernels and precision make it nonzero even for the same weights; a run whose mismatch grows is
+    drifting off-policy (in asynchronous training it also holds the policy's lag)."""
+    diff = (engine.float() - trainer.float()).abs()
+    kept = mask.bool()
+    return {
+        "logprob_diff_mean": masked_mean(diff, mask).item(),
+        "logprob_diff_max": diff[kept].max().item() if kept.any() else 0.0,
+    }
 
 
 def cross_entropy(model: torch.nn.Module, micro: Batch, denominator: float, spec: CrossEntropySpec) -> Loss:

