@@ -311,5 +311,30 @@ def make_pairs(
     typer.echo(f"{stats.summary()}; written to {out}")
 
 
+@app.command("serve")
+def serve(
+    model: str = typer.Argument(
+        ..., help="A model directory, or a run directory (its final model, else its latest checkpoint)."
+    ),
+    host: str = typer.Option(
+        "127.0.0.1", "--host", help="Address to listen on (default: this machine only)."
+    ),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="Port to listen on."),
+    name: str | None = typer.Option(
+        None, "--name", help="The model name clients ask for. Default: the directory's."
+    ),
+) -> None:
+    """Serve a model on an OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions, /v1/models),
+    for evaluation and debugging with any OpenAI client."""
+    from roll.models.export import ExportError
+    from roll.models.loading import ModelPathError
+    from roll.serving.server import serve_model
+
+    try:
+        serve_model(model, host, port, name)
+    except (ExportError, ModelPathError, ImportError, ValueError) as e:
+        _fail(e, 2)
+
+
 if __name__ == "__main__":
     app()

@@ -82,12 +82,18 @@ class ChatTurns:
         Raises:
             ChatTemplateError: the template renders earlier turns differently once one is appended.
         """
+        return self.continuation_ids([{"role": "user", "content": observation}], turn_closed)
+
+    def continuation_ids(self, messages: Sequence[dict[str, Any]], turn_closed: bool = True) -> list[int]:
+        """The ids that follow the policy's turn when ``messages`` (user or tool turns, any the template
+        renders) come next: the rest of its closing, the messages, the next generation prompt. See
+        ``observation_ids``."""
         fixed = [
             *self.system,
             {"role": "user", "content": _FIXED_USER},
             {"role": "assistant", "content": _FIXED_ASSISTANT},
         ]
-        extended = self._render([*fixed, {"role": "user", "content": observation}], generation_prompt=True)
+        extended = self._render([*fixed, *messages], generation_prompt=True)
         if not extended.startswith(self._closed):
             raise ChatTemplateError(
                 "the chat template rewrites earlier turns when a turn is appended (some strip earlier "
@@ -96,7 +102,7 @@ class ChatTurns:
         head = self._after_end_of_turn if turn_closed else self._after_content
         return self._encode(head + extended[len(self._closed) :])
 
-    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=generation_prompt, tokenize=False
         )

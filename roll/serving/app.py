@@ -1,0 +1,343 @@
+"""The OpenAI-compatible HTTP application (FastAPI).
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``; the same under
+``/sessions/<id>/v1`` record each call's token ids in that session (``roll.serving.sessions``);
+``POST /rl/sessions`` opens a session (its ``base_url`` is what an agent's client takes), ``GET
+/rl/sessions/<id>`` returns what it recorded, ``DELETE`` closes it.
+
+Every error is the API's error object (``{"error": {"message", "type", "param", "code"}}``) with a 4xx
+status naming the field, or 5xx for the server's own failures; never a traceback. Request bodies, tokens
+per response, samples per request and requests in flight are bounded.
+"""
+
+# No "from __future__ import annotations": FastAPI reads the routes' annotations (Request) at run time.
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from roll.serving.chat import ChatRenderer, RenderError
+from roll.serving.engine_bridge import EngineBridge
+from roll.serving.sessions import Session, SessionStore, comparable
+from roll.strategies.requests import GenerateResult, SamplingParams
+
+__all__ = ["Limits", "build_app"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """``max_request_bytes``: a request body's size; ``max_tokens``: tokens per response (and the default
+    of a chat request that sets none); ``max_n``: samples per request; ``max_in_flight``: requests being
+    answered at once (more get 429, which OpenAI clients retry); ``max_model_len``: prompt + response."""
+
+    max_request_bytes: int = 1 << 20
+    max_tokens: int = 4096
+    max_n: int = 16
+    max_in_flight: int = 256
+    max_model_len: int = 2048
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+# Parameters the engines cannot honour: set to anything but their neutral value, a request is refused
+# rather than answered as if they had been applied.
+UNSUPPORTED = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": None,
+    "logprobs": None,
+    "top_logprobs": None,
+    "seed": None,
+    "stream": False,
+    "echo": False,
+    "suffix": None,
+    "best_of": None,
+}
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")  # clients send more (user, metadata): checked or ignored
+
+    model: str
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] = Field(min_length=1)
+
+
+def build_app(
+    engine: Any,
+    tokenizer: Any,
+    model_name: str,
+    end_of_turn_ids: list[int],
+    limits: Limits | None = None,
+    sessions: SessionStore | None = None,
+) -> Any:
+    """The application serving ``engine`` (an ``InferenceEngine``) as ``model_name``."""
+    from roll.serving import require_serving
+
+    require_serving()
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+
+    limits = limits or Limits()
+    store = sessions if sessions is not None else SessionStore()
+    bridge = EngineBridge(engine, max_in_flight=limits.max_in_flight)
+    renderer = ChatRenderer(tokenizer, end_of_turn_ids)
+    in_flight = 0
+    app = FastAPI(title=f"ROLL: {model_name}", docs_url=None, redoc_url=None)
+    app.state.sessions, app.state.bridge = store, bridge
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, error: ApiError) -> JSONResponse:
+        kind = "invalid_request_error" if error.status < 500 else "server_error"
+        body = {"message": error.message, "type": kind, "param": error.param, "code": error.code}
+        return JSONResponse({"error": body}, status_code=error.status)
+
+    async def parsed(request: Request, model: type[BaseModel]) -> Any:
+        body = await request.body()
+        if len(body) > limits.max_request_bytes:
+            raise ApiError(413, f"the request body is {len(body)} bytes; at most {limits.max_request_bytes}")
+        try:
+            raw = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+        if not isinstance(raw, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        try:
+            payload = model.model_validate(raw)
+        except ValidationError as error:
+            first = error.errors()[0]
+            field = ".".join(str(part) for part in first["loc"])
+            raise ApiError(400, f"{field}: {first['msg']}", param=field) from None
+        for name, neutral in UNSUPPORTED.items():
+            if raw.get(name, neutral) not in (neutral, None):
+                raise ApiError(400, f"{name}: not supported by this server; leave it unset", param=name)
+        if payload.model != model_name:
+            raise ApiError(
+                404,
+                f"model {payload.model!r} does not exist; this server serves {model_name!r}",
+                "model",
+                "model_not_found",
+            )
+        if payload.n > limits.max_n:
+            raise ApiError(400, f"n: at most {limits.max_n} samples per request (got {payload.n})", "n")
+        return payload
+
+    def session_of(session_id: str | None) -> Session | None:
+        if session_id is None:
+            return None
+        session = store.get(session_id)
+        if session is None:
+            raise ApiError(
+                404, f"session {session_id!r} does not exist (never opened, or closed)", code="no_session"
+            )
+        return session
+
+    def sampling(payload: _Sampling, prompt_length: int, max_tokens: int | None) -> SamplingParams:
+        room = limits.max_model_len - prompt_length
+        if room < 1:
+            raise ApiError(
+                400,
+                f"the prompt is {prompt_length} tokens; the model takes {limits.max_model_len} in all",
+                "messages" if isinstance(payload, ChatRequest) else "prompt",
+            )
+        wanted = max_tokens if max_tokens is not None else min(limits.max_tokens, room)
+        if wanted > min(limits.max_tokens, room):
+            raise ApiError(
+                400,
+                f"max_tokens: {wanted} is more than this server gives ({min(limits.max_tokens, room)} "
+                f"after a {prompt_length}-token prompt)",
+                "max_tokens",
+            )
+        temperature = 1.0 if payload.temperature is None else payload.temperature
+        return SamplingParams(
+            max_new_tokens=wanted,
+            temperature=temperature if temperature > 0 else 1.0,
+            top_p=1.0 if payload.top_p is None else payload.top_p,
+            greedy=temperature == 0,
+            stop_token_ids=stop_ids(payload.stop),
+        )
+
+    def stop_ids(stop: str | list[str] | None) -> tuple[int, ...]:
+        texts = [stop] if isinstance(stop, str) else list(stop or [])
+        ids = []
+        for text in texts:
+            encoded = tokenizer.encode(text, add_special_tokens=False)
+            if len(encoded) != 1:
+                raise ApiError(
+                    400, f"stop: {text!r} is {len(encoded)} tokens; only single-token stops work", "stop"
+                )
+            ids.append(encoded[0])
+        return tuple(ids)
+
+    async def sample(prompt_ids: list[int], params: SamplingParams, n: int) -> list[GenerateResult]:
+        nonlocal in_flight
+        if in_flight + n > limits.max_in_flight:
+            raise ApiError(
+                429, f"{in_flight} requests are being answered (at most {limits.max_in_flight}); retry"
+            )
+        in_flight += n
+        try:
+            results = await asyncio.gather(*(bridge.generate(prompt_ids, params) for _ in range(n)))
+        except ValueError as error:  # the engine refused the request (e.g. vLLM and top_p)
+            raise ApiError(400, str(error)) from None
+        except TimeoutError as error:
+            raise ApiError(504, f"generation did not finish: {error}") from None
+        except RuntimeError as error:
+            raise ApiError(500, f"generation failed: {error}") from None
+        finally:
+            in_flight -= n
+        if any(result.finish_reason == "abort" for result in results):
+            raise ApiError(503, "generation was aborted (the server is shutting down or restarting a worker)")
+        return results
+
+    def usage(prompt_ids: list[int], results: list[GenerateResult]) -> dict[str, int]:
+        completion = sum(len(result.token_ids) for result in results)
+        return {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": completion,
+            "total_tokens": len(prompt_ids) + completion,
+        }
+
+    async def chat(request: Request, session_id: str | None = None) -> dict[str, Any]:
+        payload: ChatRequest = await parsed(request, ChatRequest)
+        session = session_of(session_id)
+        messages = [comparable(message) for message in payload.messages]
+        tools = payload.tools if payload.tool_choice != "none" else None
+        try:
+            if session is None:
+                prompt_ids = renderer.render(messages, tools)
+            else:
+                prompt_ids = session.chat_prompt(
+                    messages, lambda m: renderer.render(m, tools), renderer.continue_after
+                )
+        except RenderError as error:
+            raise ApiError(400, str(error), "messages") from None
+        params = sampling(payload, len(prompt_ids), payload.max_completion_tokens or payload.max_tokens)
+        results = await sample(prompt_ids, params, payload.n)
+        choices = []
+        for index, result in enumerate(results):
+            content, calls = renderer.reply(result.token_ids)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            if session is not None:
+                session.record(prompt_ids, result, [*messages, comparable(message)])
+            reason = "tool_calls" if calls else result.finish_reason
+            choices.append({"index": index, "message": message, "finish_reason": reason, "logprobs": None})
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": choices,
+            "usage": usage(prompt_ids, results),
+        }
+
+    async def complete(request: Request, session_id: str | None = None) -> dict[str, Any]:
+        payload: CompletionRequest = await parsed(request, CompletionRequest)
+        session = session_of(session_id)
+        if isinstance(payload.prompt, str):
+            prompt_ids = list(tokenizer.encode(payload.prompt, add_special_tokens=False))
+        else:
+            prompt_ids = list(payload.prompt)
+        if not prompt_ids:
+            raise ApiError(400, "prompt: it encodes to no tokens", "prompt")
+        if max(prompt_ids) >= len(tokenizer) or min(prompt_ids) < 0:
+            raise ApiError(400, f"prompt: token ids must be in [0, {len(tokenizer)})", "prompt")
+        params = sampling(payload, len(prompt_ids), payload.max_tokens or min(16, limits.max_tokens))
+        results = await sample(prompt_ids, params, payload.n)
+        choices = []
+        for index, result in enumerate(results):
+            if session is not None:
+                session.record(prompt_ids, result)
+            text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            choices.append(
+                {"index": index, "text": text, "finish_reason": result.finish_reason, "logprobs": None}
+            )
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": choices,
+            "usage": usage(prompt_ids, results),
+        }
+
+    def models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "roll"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_alone(request: Request) -> dict[str, Any]:
+        return await chat(request)
+
+    @app.post("/sessions/{session_id}/v1/chat/completions")
+    async def chat_in_session(request: Request, session_id: str) -> dict[str, Any]:
+        return await chat(request, session_id)
+
+    @app.post("/v1/completions")
+    async def complete_alone(request: Request) -> dict[str, Any]:
+        return await complete(request)
+
+    @app.post("/sessions/{session_id}/v1/completions")
+    async def complete_in_session(request: Request, session_id: str) -> dict[str, Any]:
+        return await complete(request, session_id)
+
+    app.get("/v1/models")(models)
+
+    @app.get("/sessions/{session_id}/v1/models")
+    def session_models(session_id: str) -> dict[str, Any]:
+        session_of(session_id)
+        return models()
+
+    @app.post("/rl/sessions")
+    def open_session() -> dict[str, str]:
+        session = store.open()
+        return {"id": session.id, "base_url": f"/sessions/{session.id}/v1"}
+
+    @app.get("/rl/sessions/{session_id}")
+    def read_session(session_id: str) -> dict[str, Any]:
+        return session_of(session_id).as_dict()
+
+    @app.delete("/rl/sessions/{session_id}")
+    def close_session(session_id: str) -> dict[str, Any]:
+        session = store.close(session_id)
+        if session is None:
+            raise ApiError(
+                404, f"session {session_id!r} does not exist (never opened, or closed)", code="no_session"
+            )
+        return session.as_dict()
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, _: Exception) -> JSONResponse:
+        body = {
+            "message": f"no route {request.method} {request.url.path}",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
+        return JSONResponse({"error": body}, status_code=404)
+
+    return app

@@ -1,0 +1,338 @@
+"""The OpenAI-compatible endpoint (``roll.serving``), through the real ``openai`` client library against the
+real server on localhost: a tiny model behind ROLL's engine, and a scripted engine where the test must
+choose what the policy "samples" (merge-prone ids, tool calls)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from roll.config.common import TinyModelConfig  # noqa: E402 - after the skips
+from roll.models.loading import end_of_sequence_ids, load_causal_lm, load_tokenizer  # noqa: E402
+from roll.models.tiny import save_tiny_model  # noqa: E402
+from roll.models.tokenizer import IM_END, build_bpe_tokenizer  # noqa: E402
+from roll.serving.app import Limits, build_app  # noqa: E402
+from roll.serving.server import ServerThread  # noqa: E402
+from roll.serving.sessions import SessionStore  # noqa: E402
+from roll.strategies.infer.hf import HFEngine  # noqa: E402
+from roll.strategies.requests import GenerateResult  # noqa: E402
+
+# ChatML with tools as Qwen2.5 and Hermes render them: the tool list in the system turn, a call as
+# <tool_call>{json}</tool_call> in the assistant's text, results in <tool_response> blocks.
+TOOLS_CHATML = (
+    "{% if tools %}<|im_start|>system\nTools:{% for tool in tools %} {{ tool | tojson }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}<|im_start|>user\n<tool_response>{{ message['content'] }}"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>{{ call['function'] | tojson }}"
+    "</tool_call>{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = ["RR DD RRR LL", "RR RR DD", "the result is 42", '{"name": "calc"}'] * 30
+TOOL_REPLY = '<tool_call>{"name": "calc", "arguments": {"expression": "6*7"}}</tool_call>'
+
+
+class ScriptedEngine:
+    """Answers each request with the next of ``replies`` (token ids): what the policy "sampled", with
+    logprob -0.5 and weights version 3 for each token. Records every request and result."""
+
+    def __init__(self, replies: list[list[int]]):
+        self.replies = list(replies)
+        self.requests, self.results = [], []
+        self._lock = threading.Lock()
+
+    def submit(self, request) -> None:
+        with self._lock:
+            ids = self.replies.pop(0)
+            self.requests.append(request)
+            self.results.append(
+                GenerateResult(request.request_id, ids, [-0.5] * len(ids), "stop", [3] * len(ids))
+            )
+
+    def await_result(self, request_id: str, timeout_s: float | None) -> GenerateResult:
+        with self._lock:
+            return next(result for result in self.results if result.request_id == request_id)
+
+    def abort(self, request_id: str) -> bool:
+        return False
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    tokenizer = build_bpe_tokenizer(CORPUS, vocab_size=300)
+    tokenizer.chat_template = TOOLS_CHATML
+    return tokenizer
+
+
+@pytest.fixture()
+def scripted(bpe):
+    """A server over a ScriptedEngine: (engine, sessions, server); fill ``engine.replies`` first."""
+    engine = ScriptedEngine([])
+    sessions = SessionStore()
+    app = build_app(
+        engine, bpe, "agent", [bpe.convert_tokens_to_ids(IM_END)], Limits(max_request_bytes=4096), sessions
+    )
+    with ServerThread(app) as server:
+        yield engine, sessions, server
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    """A tiny random model behind ROLL's HFEngine; the engine's every result is kept (``engine.results``)."""
+    cfg = TinyModelConfig(
+        alphabet="0123456789+= ",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    )
+    path = save_tiny_model(cfg, tmp_path_factory.mktemp("serving") / "tiny")
+    model, tokenizer = load_causal_lm(path), load_tokenizer(path)
+    engine = HFEngine(model, tokenizer, "cpu")
+    engine.results = []
+    await_result = engine.await_result
+
+    def kept(request_id, timeout_s):
+        result = await_result(request_id, timeout_s)
+        engine.results.append(result)
+        return result
+
+    engine.await_result = kept
+    sessions = SessionStore()
+    eos = end_of_sequence_ids(tokenizer, model)
+    app = build_app(engine, tokenizer, "tiny", eos, Limits(max_model_len=128, max_tokens=8), sessions)
+    with ServerThread(app) as server:
+        yield engine, sessions, server, tokenizer
+    engine.shutdown()
+
+
+def client_for(server: ServerThread, session: str | None = None, **kwargs) -> openai.OpenAI:
+    path = f"/sessions/{session}/v1" if session else "/v1"
+    return openai.OpenAI(base_url=server.base_url + path, api_key="unused", max_retries=0, **kwargs)
+
+
+def test_an_openai_client_gets_chat_completions_and_completions_from_the_model(tiny_server) -> None:
+    engine, _, server, tokenizer = tiny_server
+    client = client_for(server)
+    assert [model.id for model in client.models.list()] == ["tiny"]
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "12+3="}], max_tokens=5, temperature=0.7
+    )
+    (choice,) = chat.choices
+    sampled = engine.results[-1].token_ids
+    assert choice.message.role == "assistant"
+    assert choice.message.content == tokenizer.decode(sampled, skip_special_tokens=True)
+    assert choice.finish_reason == engine.results[-1].finish_reason
+    assert chat.usage.completion_tokens == len(sampled)
+    completion = client.completions.create(model="tiny", prompt="1+1=", max_tokens=4, n=2)
+    assert len(completion.choices) == 2 and completion.usage.prompt_tokens == 4
+    greedy = [
+        client.completions.create(model="tiny", prompt="7+", max_tokens=6, temperature=0) for _ in range(2)
+    ]
+    assert greedy[0].choices[0].text == greedy[1].choices[0].text  # temperature 0 is greedy
+
+
+def test_concurrent_sessions_stay_apart_and_record_exactly_what_the_engine_sampled(tiny_server) -> None:
+    """Eight agents at once, two turns each, on one server: each session holds one branch with its own
+    prompt, and its trained tokens are exactly the ids the engine sampled for its calls."""
+    engine, sessions, server, tokenizer = tiny_server
+    opened = [httpx.post(server.base_url + "/rl/sessions").json() for _ in range(8)]
+
+    async def agent(session: dict, index: int) -> list[str]:
+        client = openai.AsyncOpenAI(
+            base_url=server.base_url + session["base_url"], api_key="-", max_retries=0
+        )
+        messages = [{"role": "user", "content": f"{index}+{index}="}]
+        first = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=6)
+        messages += [
+            first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "user", "content": "= "},
+        ]
+        second = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=6)
+        await client.close()
+        return [first.id, second.id]
+
+    async def all_agents() -> None:
+        await asyncio.gather(*(agent(session, i) for i, session in enumerate(opened)))
+
+    asyncio.run(all_agents())
+    sampled = {tuple(result.token_ids) for result in engine.results}
+    for index, info in enumerate(opened):
+        session = sessions.get(info["id"])
+        assert session.stats()["calls"] == 2 and session.stats()["forks"] == 0
+        (branch,) = session.branches
+        first_prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{index}+{index}="}], add_generation_prompt=True, tokenize=False
+        )
+        assert tokenizer.decode(branch.token_ids).startswith(first_prompt)
+        runs, run = [], []
+        for token, trained in zip(branch.token_ids, branch.trained):
+            if trained:
+                run.append(token)
+            elif run:
+                runs, run = [*runs, tuple(run)], []
+        runs += [tuple(run)] if run else []
+        assert len(runs) == 2 and set(runs) <= sampled  # each call's sampled ids, nothing else trained
+
+
+def test_a_continued_conversation_keeps_the_sampled_ids_and_an_edited_one_forks(scripted, bpe) -> None:
+    """The policy sampled "R", "R" as two tokens, which this BPE tokenizer merges into one "RR" when the
+    text is encoded again. Continuing the conversation keeps the two sampled ids (trained); editing the
+    history forks a branch where the re-rendered tokens are masked and only the new sample is trained."""
+    engine, sessions, server = scripted
+    r, rr = bpe.convert_tokens_to_ids("R"), bpe.convert_tokens_to_ids("RR")
+    end = bpe.convert_tokens_to_ids(IM_END)
+    assert bpe.encode("RR") == [rr]  # merge-prone: the sampled ids would not come back
+    engine.replies = [[r, r, end], [r, end], [r, r, r, end]]
+    session = httpx.post(server.base_url + "/rl/sessions").json()["id"]
+    client = client_for(server, session)
+    history = [{"role": "user", "content": "go"}]
+    first = client.chat.completions.create(model="agent", messages=history)
+    assert first.choices[0].message.content == "RR"
+    history += [{"role": "assistant", "content": "RR"}, {"role": "user", "content": "again"}]
+    client.chat.completions.create(model="agent", messages=history)
+    # The second prompt is the first prompt, the sampled ids, and the template's delta: token for token.
+    first_prompt, second_prompt = (request.prompt_ids for request in engine.requests)
+    assert second_prompt[: len(first_prompt) + 3] == (*first_prompt, r, r, end)
+    assert bpe.encode(bpe.decode(list(second_prompt))) != list(second_prompt)  # what re-encoding would train
+    (branch,) = sessions.get(session).branches
+    assert [t for t, trained in zip(branch.token_ids, branch.trained) if trained] == [r, r, end, r, end]
+    assert set(branch.weight_versions[i] for i, trained in enumerate(branch.trained) if trained) == {3}
+
+    edited = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "DD"},
+        {"role": "user", "content": "again"},
+    ]
+    client.chat.completions.create(model="agent", messages=edited)
+    recorded = sessions.get(session)
+    assert recorded.stats()["forks"] == 1 and len(recorded.branches) == 2
+    fork = recorded.branches[1]
+    assert [t for t, trained in zip(fork.token_ids, fork.trained) if trained] == [r, r, r, end]
+    shared = len(first_prompt)  # the fork keeps what it shares with the first branch, as recorded there
+    assert fork.token_ids[:shared] == list(first_prompt) and not any(fork.trained[:shared])
+    assert bpe.decode(fork.token_ids[shared:]).startswith("DD")  # the edit: rendered, never trained
+
+
+def test_a_tool_call_round_trips_through_the_api_and_the_episode_continues(scripted, bpe) -> None:
+    engine, sessions, server = scripted
+    end = bpe.convert_tokens_to_ids(IM_END)
+    engine.replies = [[*bpe.encode(TOOL_REPLY), end], [*bpe.encode("the result is 42"), end]]
+    session = httpx.post(server.base_url + "/rl/sessions").json()["id"]
+    client = client_for(server, session)
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "6*7?"}]
+    first = client.chat.completions.create(model="agent", messages=messages, tools=tools)
+    (call,) = first.choices[0].message.tool_calls
+    assert first.choices[0].finish_reason == "tool_calls" and first.choices[0].message.content == ""
+    assert call.function.name == "calc" and json.loads(call.function.arguments) == {"expression": "6*7"}
+    assert "Tools:" in bpe.decode(list(engine.requests[0].prompt_ids))  # the template saw the tools
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "42"},
+    ]
+    second = client.chat.completions.create(model="agent", messages=messages, tools=tools)
+    assert (
+        second.choices[0].message.content == "the result is 42" and not second.choices[0].message.tool_calls
+    )
+    recorded = sessions.get(session)
+    assert recorded.stats()["forks"] == 0 and len(recorded.branches) == 1
+    second_prompt = bpe.decode(list(engine.requests[1].prompt_ids))
+    assert second_prompt.endswith("<tool_response>42</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_bad_requests_get_the_apis_errors_naming_what_to_change(scripted, bpe) -> None:
+    engine, _, server = scripted
+    client = client_for(server)
+    with pytest.raises(
+        openai.NotFoundError, match="model 'gpt-4' does not exist; this server serves 'agent'"
+    ):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.NotFoundError, match="session 'nope' does not exist"):
+        client_for(server, "nope").chat.completions.create(
+            model="agent", messages=[{"role": "user", "content": "hi"}]
+        )
+    with pytest.raises(openai.BadRequestError, match="seed: not supported by this server"):
+        client.chat.completions.create(model="agent", messages=[{"role": "user", "content": "hi"}], seed=1)
+    with pytest.raises(openai.BadRequestError, match="messages: List should have at least 1 item"):
+        client.chat.completions.create(model="agent", messages=[])
+    with pytest.raises(openai.BadRequestError, match=r"stop: 'RR DD' is \d+ tokens; only single-token stops"):
+        client.chat.completions.create(
+            model="agent", messages=[{"role": "user", "content": "hi"}], stop="RR DD"
+        )
+    bad_json = httpx.post(server.base_url + "/v1/chat/completions", content=b'{"model": "agent", ')
+    assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
+    huge = httpx.post(server.base_url + "/v1/completions", json={"model": "agent", "prompt": "R" * 5000})
+    assert huge.status_code == 413 and "at most 4096" in huge.json()["error"]["message"]
+    too_long = httpx.post(
+        server.base_url + "/v1/completions", json={"model": "agent", "prompt": "R", "max_tokens": 10**6}
+    )
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+    assert engine.requests == []  # nothing reached the engine
+
+
+def test_roll_serve_answers_an_openai_client_from_a_run_directory(tmp_path) -> None:
+    """``roll serve RUN --port 0``: the run's final model on a free port, named in the line it prints."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    cfg = TinyModelConfig(
+        alphabet="0123456789+= ",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    save_tiny_model(cfg, tmp_path / "run" / "model")
+    command = [
+        sys.executable,
+        "-m",
+        "roll.cli",
+        "serve",
+        str(tmp_path / "run"),
+        "--port",
+        "0",
+        "--name",
+        "policy",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in process.stdout:  # ends if the process dies: then the assertion below shows its output
+            lines.append(line)
+            if line.startswith("serving "):
+                break
+        found = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", "".join(lines))
+        assert found, "".join(lines)
+        client = openai.OpenAI(base_url=found.group(1) + "/v1", api_key="-", max_retries=0, timeout=120)
+        assert [model.id for model in client.models.list()] == ["policy"]
+        completion = client.completions.create(model="policy", prompt="1+2=", max_tokens=3)
+        assert completion.usage.prompt_tokens == 4 and completion.choices[0].finish_reason in (
+            "stop",
+            "length",
+        )
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        finally:
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGKILL)
