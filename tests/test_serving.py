@@ -256,6 +256,7 @@ def test_a_tool_call_round_trips_through_the_api_and_the_episode_continues(scrip
 
 def test_bad_requests_get_the_apis_errors_naming_what_to_change(scripted, bpe) -> None:
     engine, _, server = scripted
+    engine.replies = [[bpe.convert_tokens_to_ids(IM_END)]]
     client = client_for(server)
     with pytest.raises(
         openai.NotFoundError, match="model 'gpt-4' does not exist; this server serves 'agent'"
@@ -265,6 +266,9 @@ def test_bad_requests_get_the_apis_errors_naming_what_to_change(scripted, bpe) -
         client_for(server, "nope").chat.completions.create(
             model="agent", messages=[{"role": "user", "content": "hi"}]
         )
+    client.chat.completions.create(
+        model="agent", messages=[{"role": "user", "content": "hi"}], logprobs=False
+    )
     with pytest.raises(openai.BadRequestError, match="seed: not supported by this server"):
         client.chat.completions.create(model="agent", messages=[{"role": "user", "content": "hi"}], seed=1)
     with pytest.raises(openai.BadRequestError, match="messages: List should have at least 1 item"):
@@ -281,7 +285,44 @@ def test_bad_requests_get_the_apis_errors_naming_what_to_change(scripted, bpe) -
         server.base_url + "/v1/completions", json={"model": "agent", "prompt": "R", "max_tokens": 10**6}
     )
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
-    assert engine.requests == []  # nothing reached the engine
+    with pytest.raises(openai.BadRequestError, match="n: at most 16 samples per request"):
+        client.completions.create(model="agent", prompt="R", n=17)
+    assert len(engine.requests) == 1  # only the call with neutral parameters reached the engine
+    with pytest.raises(openai.InternalServerError, match="the server failed: IndexError"):  # no reply left
+        client.completions.create(model="agent", prompt="R")
+
+
+def test_more_requests_in_flight_than_the_bound_get_429(bpe) -> None:
+    """With one request being answered and ``max_in_flight=1``, the next is told to retry (429, which
+    OpenAI clients retry by themselves); the first still gets its answer."""
+    end = bpe.convert_tokens_to_ids(IM_END)
+    engine = ScriptedEngine([[end], [end]])
+    reached, release = threading.Event(), threading.Event()
+    answer = engine.await_result
+
+    def held(request_id: str, timeout_s: float | None) -> GenerateResult:
+        reached.set()
+        release.wait(timeout=60)
+        return answer(request_id, timeout_s)
+
+    engine.await_result = held
+    app = build_app(engine, bpe, "agent", [end], Limits(max_in_flight=1))
+    with ServerThread(app) as server:
+        first = {}
+        call = threading.Thread(
+            target=lambda: first.update(
+                response=httpx.post(
+                    server.base_url + "/v1/completions", json={"model": "agent", "prompt": "R"}, timeout=60
+                )
+            )
+        )
+        call.start()
+        assert reached.wait(timeout=60)
+        second = httpx.post(server.base_url + "/v1/completions", json={"model": "agent", "prompt": "R"})
+        release.set()
+        call.join(timeout=60)
+    assert second.status_code == 429 and "retry" in second.json()["error"]["message"]
+    assert first["response"].status_code == 200
 
 
 def test_roll_serve_answers_an_openai_client_from_a_run_directory(tmp_path) -> None:

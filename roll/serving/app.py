@@ -114,6 +114,12 @@ def build_app(
         body = {"message": error.message, "type": kind, "param": error.param, "code": error.code}
         return JSONResponse({"error": body}, status_code=error.status)
 
+    @app.exception_handler(Exception)
+    async def server_failure(_: Request, error: Exception) -> JSONResponse:
+        message = f"the server failed: {type(error).__name__}: {error}"
+        body = {"message": message, "type": "server_error", "param": None, "code": None}
+        return JSONResponse({"error": body}, status_code=500)
+
     async def parsed(request: Request, model: type[BaseModel]) -> Any:
         body = await request.body()
         if len(body) > limits.max_request_bytes:
@@ -131,7 +137,8 @@ def build_app(
             field = ".".join(str(part) for part in first["loc"])
             raise ApiError(400, f"{field}: {first['msg']}", param=field) from None
         for name, neutral in UNSUPPORTED.items():
-            if raw.get(name, neutral) not in (neutral, None):
+            value = raw.get(name)
+            if value is not None and value is not False and value != neutral:
                 raise ApiError(400, f"{name}: not supported by this server; leave it unset", param=name)
         if payload.model != model_name:
             raise ApiError(
