@@ -276,3 +276,25 @@ def test_asynchronous_rl_on_vllm_trains_on_samples_a_version_old(tmp_path) -> No
     assert all(row["rollout/logprob_diff_mean"] > 1e-4 for row in stale)
     assert all(abs(row["actor/tis_weight_mean"] - 1.0) > 1e-4 for row in stale)
     assert max(row["sync/max_logprob_diff"] for row in rows) < 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_session", "at_repo_root")
+def test_agentic_episodes_play_on_vllm_and_train_on_what_it_sampled(tmp_path) -> None:
+    """``examples/agentic_frozenlake.yaml`` on vLLM for two steps: multi-turn episodes (each turn's
+    prompt the episode so far, reused from vLLM's prefix cache), trained with the logprobs vLLM sampled
+    them with, and every weight sync lands."""
+    from test_pipelines_cli import metrics
+
+    from roll.config.loader import load_config
+    from roll.pipelines.agentic import AgenticPipeline
+
+    out = tmp_path / "run"
+    overrides = ["rollout.engine=vllm", "steps=2", "sft_warm_start=null", "eval.every_steps=0"]
+    overrides += [f"output_dir={out}", "rollout.rollout_batch_size=4", "tracking.backends=[jsonl]"]
+    AgenticPipeline(load_config("examples/agentic_frozenlake.yaml", overrides)).run()
+    rows = [row for row in metrics(out) if "actor/loss" in row]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(row["episode/turns"] > 1 for row in rows)  # the random policy wanders for several turns
+    assert max(row["rollout/logprob_diff_max"] for row in rows) < 1e-3
+    assert max(row["sync/max_logprob_diff"] for row in rows) < 1e-3
