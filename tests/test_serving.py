@@ -40,6 +40,15 @@ TOOLS_CHATML = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CORPUS = ["RR DD RRR LL", "RR RR DD", "the result is 42", '{"name": "calc"}'] * 30
+TINY = TinyModelConfig(
+    alphabet="0123456789+= ",
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=64,
+    max_position_embeddings=128,
+)
 TOOL_REPLY = '<tool_call>{"name": "calc", "arguments": {"expression": "6*7"}}</tool_call>'
 
 
@@ -90,16 +99,7 @@ def scripted(bpe):
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory):
     """A tiny random model behind ROLL's HFEngine; the engine's every result is kept (``engine.results``)."""
-    cfg = TinyModelConfig(
-        alphabet="0123456789+= ",
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        max_position_embeddings=128,
-    )
-    path = save_tiny_model(cfg, tmp_path_factory.mktemp("serving") / "tiny")
+    path = save_tiny_model(TINY, tmp_path_factory.mktemp("serving") / "tiny")
     model, tokenizer = load_causal_lm(path), load_tokenizer(path)
     engine = HFEngine(model, tokenizer, "cpu")
     engine.results = []
@@ -333,16 +333,7 @@ def test_roll_serve_answers_an_openai_client_from_a_run_directory(tmp_path) -> N
     import subprocess
     import sys
 
-    cfg = TinyModelConfig(
-        alphabet="0123456789+= ",
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    save_tiny_model(cfg, tmp_path / "run" / "model")
+    save_tiny_model(TINY, tmp_path / "run" / "model")
     command = [
         sys.executable,
         "-m",
