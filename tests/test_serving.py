@@ -368,3 +368,35 @@ def test_roll_serve_answers_an_openai_client_from_a_run_directory(tmp_path) -> N
         finally:
             if process.poll() is None:
                 os.kill(process.pid, signal.SIGKILL)
+
+
+def test_a_request_over_its_time_bound_is_aborted_and_its_result_taken() -> None:
+    """A request that does not finish within the bridge's bound raises TimeoutError (504 to the client)
+    after it is aborted; its aborted result is then taken from the engine, which would keep it forever."""
+    from roll.serving.engine_bridge import EngineBridge
+    from roll.strategies.requests import SamplingParams
+
+    class SlowEngine:
+        def __init__(self) -> None:
+            self.aborted, self.awaited = [], []
+
+        def submit(self, request) -> None:
+            self.request = request
+
+        def await_result(self, request_id: str, timeout_s: float | None) -> GenerateResult:
+            self.awaited.append(request_id)
+            if request_id not in self.aborted:
+                raise TimeoutError(f"request {request_id!r} did not finish within {timeout_s} s")
+            return GenerateResult(request_id, [], [], "abort", [])
+
+        def abort(self, request_id: str) -> bool:
+            self.aborted.append(request_id)
+            return True
+
+    engine = SlowEngine()
+    bridge = EngineBridge(engine, timeout_s=1.0)
+    with pytest.raises(TimeoutError):
+        asyncio.run(bridge.generate([1, 2], SamplingParams()))
+    bridge.close(wait=True)
+    request_id = engine.request.request_id
+    assert engine.aborted == [request_id] and engine.awaited == [request_id, request_id]

@@ -31,9 +31,19 @@ class EngineBridge:
             return await loop.run_in_executor(
                 self._pool, self.engine.await_result, request_id, self.timeout_s
             )
-        except (asyncio.CancelledError, TimeoutError):
+        except asyncio.CancelledError:
+            self.engine.abort(request_id)  # the thread still waiting takes the aborted result
+            raise
+        except TimeoutError:
             self.engine.abort(request_id)
+            self._pool.submit(self._forget, request_id)  # the engine holds each result until it is taken
             raise
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def _forget(self, request_id: str) -> None:
+        try:
+            self.engine.await_result(request_id, self.timeout_s)
+        except Exception:  # noqa: BLE001 - nobody waits for it any more: only its memory matters
+            pass
+
+    def close(self, wait: bool = False) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
