@@ -79,7 +79,9 @@ def test_the_example_loads_and_bad_agentic_settings_are_named_at_load() -> None:
     assert "eval.seeds: 10000 seeds in a row" in problems("env.options={size: 2}")
 
 
-@pytest.mark.parametrize("example", ["agentic_frozenlake_gigpo", "agentic_sokoban", "agentic_tool"])
+@pytest.mark.parametrize(
+    "example", ["agentic_frozenlake_gigpo", "agentic_sokoban", "agentic_tool", "agent_calculator"]
+)
 @pytest.mark.usefixtures("at_repo_root")
 def test_the_other_agentic_examples_load(example: str) -> None:
     cfg = load_config(f"examples/{example}.yaml")

@@ -239,7 +239,7 @@ def test_conversations_need_the_chat_template_and_well_formed_messages(tmp_path:
     bad = [
         ([{"role": "user"}], "message 1 of the prompt"),
         ([*CONVERSATION, {"role": "assistant", "content": "3"}], "ends with an assistant message"),
-        ([{"role": "tool", "content": "1"}], "cannot render the prompt: unknown chat role: tool"),
+        ([{"role": "narrator", "content": "1"}], "cannot render the prompt: unknown chat role: narrator"),
     ]
     for prompt, expected in bad:
         write(path, [{"prompt": "1+1"}, {"prompt": prompt}])

@@ -704,6 +704,7 @@ def validate_agentic(cfg: AgenticConfig) -> list[str]:
     from roll.envs import ENVIRONMENTS
     from roll.envs.agents import AGENTS
     from roll.envs.base import check_env
+    from roll.rollout.agent_runs import AGENT_ENV
 
     problems = bounds_and_world_sizes(cfg)
     if problems:
@@ -711,7 +712,10 @@ def validate_agentic(cfg: AgenticConfig) -> list[str]:
     problems = check_policy_training(cfg) + check_async_generation(cfg)
     problems += check_model(cfg.model) + check_tiny_model(cfg.model) + check_tracking(cfg.tracking)
     rollout, env = cfg.rollout, cfg.env
-    problems += check_env("env", env.name, env.options)
+    if env.name == AGENT_ENV:  # a user's agent program (roll.pipelines.agent_programs), not an env
+        problems += check_agent_env(cfg)
+    else:
+        problems += check_env("env", env.name, env.options)
     for reason, rule in env.stop_reasons.items():
         if reason not in DEFAULT_STOP_POLICY:
             problems.append(
@@ -771,6 +775,24 @@ def validate_agentic(cfg: AgenticConfig) -> list[str]:
             )
     if env.name in ENVIRONMENTS and not problems:
         problems += check_seeds(cfg)
+    return problems
+
+
+def check_agent_env(cfg: AgenticConfig) -> list[str]:
+    """``env.name: agent``: its options, the serve extra, and the layout its runs have (one sample each)."""
+    from roll.rollout.agent_runs import check_agent_options
+    from roll.serving import require_serving
+
+    try:
+        require_serving()
+    except ImportError as e:
+        return [f"env.name: agent: {e}"]
+    problems = check_agent_options(cfg.env.options, cfg.eval.seeds)
+    if cfg.env.sample_layout != "trajectory":
+        problems.append(
+            "env.sample_layout: env.name agent trains one sample per run (trajectory); step_wise is not "
+            "supported for it yet"
+        )
     return problems
 
 

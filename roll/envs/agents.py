@@ -4,7 +4,10 @@ measure the baselines an RL run must beat."""
 
 from __future__ import annotations
 
+import collections
+import json
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -150,6 +153,38 @@ class ToolExpert:
         if self.rng.random() < self.noise:
             return ANSWER + str(_leading_digit(a) * _leading_digit(b))
         return f"c{a}*{b}"
+
+
+@AGENTS.register("tool_call_expert")
+class ToolCallExpert:
+    """The teacher of an agent program that multiplies with a calculator tool through the API's tool calls
+    (``examples/agent_calculator.yaml``). It reads the whole prompt, as its chat template rendered it: after
+    a ``<tool_response>`` it answers with the result; on a question ``37*48`` it calls ``tool`` as
+    ``<tool_call>{"name": tool, "arguments": {argument: "37*48"}}</tool_call>`` (compact JSON, as the tiny
+    template writes calls). With probability ``noise`` it guesses instead, as ``tool_expert`` does."""
+
+    def __init__(self, noise: float = 0.0, tool: str = "calc", argument: str = "x", seed: int = 0):
+        if not 0.0 <= noise <= 1.0:
+            raise ValueError(f"noise must be in [0, 1], got {noise}")
+        self.noise, self.tool, self.argument, self.seed = noise, tool, argument, seed
+        self._played: collections.Counter[str] = collections.Counter()
+
+    def act(self, observation: str) -> str:
+        results = re.findall(r"<tool_response>(.*?)</tool_response>", observation, re.DOTALL)
+        if results:
+            return results[-1].strip()
+        questions = re.findall(r"(\d+)\*(\d+)", observation)
+        if not questions:
+            return "0"
+        a, b = (int(n) for n in questions[-1])
+        # Seeded by the question and how often it was asked: the runs' calls arrive in whatever order
+        # their agents make them, and the demonstrations must not depend on it.
+        self._played[f"{a}*{b}"] += 1
+        rng = random.Random(f"{self.seed}:{a}*{b}:{self._played[f'{a}*{b}']}")
+        if rng.random() < self.noise:
+            return str(_leading_digit(a) * _leading_digit(b))
+        call = {"name": self.tool, "arguments": {self.argument: f"{a}*{b}"}}
+        return f"<tool_call>{json.dumps(call, separators=(',', ':'))}</tool_call>"
 
 
 def _leading_digit(n: int) -> int:

@@ -35,17 +35,29 @@ SPECIAL_TOKENS: dict[str, str] = {
 }
 
 # Only assistant turns end with EOS: that is the token the policy must learn to emit to stop.
-# Whitespace control (`-`) keeps the template's own layout out of the rendered text.
+# Whitespace control (`-`) keeps the template's own layout out of the rendered text. Tools as Qwen2.5 and
+# Hermes write them, compactly: the tool names in a system turn, a call as <tool_call>{json}</tool_call>
+# in the assistant's text, a result as a user turn's <tool_response>...</tool_response>. Their characters
+# render only where the alphabet has them (examples/agent_calculator.yaml's does).
 CHAT_TEMPLATE = (
+    "{%- if tools -%}<|system|><tools>"
+    "{%- for tool in tools -%}{{ ' ' if not loop.first }}{{ tool['function']['name'] }}{%- endfor -%}"
+    "</tools>{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}"
     "<|system|>{{ message['content'] }}"
     "{%- elif message['role'] == 'user' -%}"
     "<|user|>{{ message['content'] }}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "<|user|><tool_response>{{ message['content'] }}</tool_response>"
     "{%- elif message['role'] == 'assistant' -%}"
-    "<|assistant|>{{ message['content'] }}<|eos|>"
+    "<|assistant|>{{ message['content'] }}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "<tool_call>{{ call['function'] | tojson(separators=(',', ':')) }}</tool_call>"
+    "{%- endfor -%}<|eos|>"
     "{%- else -%}"
-    "{{ raise_exception('unknown chat role: ' ~ message['role'] ~ ' (expected system, user or assistant)') }}"
+    "{{ raise_exception('unknown chat role: ' ~ message['role'] ~ "
+    "' (expected system, user, assistant or tool)') }}"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"

@@ -282,14 +282,8 @@ class EpisodeScheduler(GroupScheduler):
                 self._close(group)
                 if not group.training:  # evaluation keeps the failed episode
                     continue
-                del self._drawn[group.group_id]  # its seed is replaced by the next one drawn
-                self._counts["dropped_groups"] += 1
-                if self._counts["dropped_groups"] > self.spec.max_dropped_groups:
-                    errors = [e.error for e in group.episodes.values() if e.error]
-                    raise RuntimeError(
-                        f"{self._counts['dropped_groups']} episode groups were dropped in one step because "
-                        f"their environment failed; the last error: {errors[-1] if errors else 'unknown'}"
-                    )
+                errors = [str(e.error) for e in group.episodes.values() if e.error]
+                self._lose(group, "episode groups", "their environment failed", errors)
 
     def _close(self, group: EpisodeGroup) -> None:
         """End the group: abort its turns in flight, end its unfinished episodes (redundant ones, or those

@@ -171,6 +171,19 @@ class GroupScheduler(abc.ABC):
             del self._drawn[group.group_id]
         self.source.put_back([group.item for group in groups])
 
+    def _lose(self, group: Group, what: str, why: str, errors: list[str]) -> None:
+        """A training group that can no longer complete (its members failed): forgotten, its item not
+        drawn again (the next draw takes its place: an item that always fails would otherwise come back
+        forever), counted; more than ``spec.max_dropped_groups`` in one step stop the run with the last
+        of ``errors``. ``what`` the groups are and ``why`` they failed, for that message."""
+        del self._drawn[group.group_id]
+        self._counts["dropped_groups"] += 1
+        if self._counts["dropped_groups"] > self.spec.max_dropped_groups:
+            raise RuntimeError(
+                f"{self._counts['dropped_groups']} {what} were dropped in one step because {why}; "
+                f"the last error: {errors[-1] if errors else 'unknown'}"
+            )
+
     def _leading_ready(self) -> list[Group] | None:
         """The ready groups at the front of the draw order (at most ``groups_per_batch``), or None while a
         drawn group is stale (the pumping thread drops those first)."""

@@ -7,18 +7,19 @@
 - ``app``: the FastAPI application (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, and
   the same under ``/sessions/<id>/v1``), ``server``: uvicorn in a thread, and ``roll serve``.
 
-FastAPI and uvicorn are the ``serve`` extra: ``pip install 'roll-rl[serve]'``.
+FastAPI, uvicorn and the openai client (for agents trained through it) are the ``serve`` extra: ``pip
+install 'roll-rl[serve]'``.
 """
 
 from __future__ import annotations
 
-INSTALL_HINT = "pip install 'roll-rl[serve]' (FastAPI and uvicorn)"
+INSTALL_HINT = "pip install 'roll-rl[serve]' (FastAPI, uvicorn and the openai client)"
 
 
 def require_serving() -> None:
-    """Raise an ImportError naming the extra when FastAPI or uvicorn is missing."""
+    """Raise an ImportError naming the extra when FastAPI, uvicorn or the openai client is missing."""
     import importlib.util
 
-    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    missing = [name for name in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(name) is None]
     if missing:
         raise ImportError(f"the OpenAI-compatible endpoint needs {' and '.join(missing)}: {INSTALL_HINT}")

@@ -3,7 +3,8 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``; the same under
 ``/sessions/<id>/v1`` record each call's token ids in that session (``roll.serving.sessions``);
 ``POST /rl/sessions`` opens a session (its ``base_url`` is what an agent's client takes), ``GET
-/rl/sessions/<id>`` returns what it recorded, ``DELETE`` closes it.
+/rl/sessions/<id>`` returns what it recorded, ``POST /rl/sessions/<id>/reward`` (``{"reward": x}``) sets
+its reward, ``DELETE`` closes it.
 
 Every error is the API's error object (``{"error": {"message", "type", "param", "code"}}``) with a 4xx
 status naming the field, or 5xx for the server's own failures; never a traceback. Request bodies, tokens
@@ -13,6 +14,7 @@ per response, samples per request and requests in flight are bounded.
 # No "from __future__ import annotations": FastAPI reads the routes' annotations (Request) at run time.
 import asyncio
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -32,13 +34,16 @@ __all__ = ["Limits", "build_app"]
 class Limits:
     """``max_request_bytes``: a request body's size; ``max_tokens``: tokens per response (and the default
     of a chat request that sets none); ``max_n``: samples per request; ``max_in_flight``: requests being
-    answered at once (more get 429, which OpenAI clients retry); ``max_model_len``: prompt + response."""
+    answered at once (more get 429, which OpenAI clients retry); ``max_model_len``: prompt + response;
+    ``clamp_max_tokens``: a request asking for more tokens than these bounds leave gets what they leave
+    instead of a 400 (a training run, where the run's budgets decide, not what an agent program asks)."""
 
     max_request_bytes: int = 1 << 20
     max_tokens: int = 4096
     max_n: int = 16
     max_in_flight: int = 256
     max_model_len: int = 2048
+    clamp_max_tokens: bool = False
 
 
 class ApiError(Exception):
@@ -88,12 +93,14 @@ class CompletionRequest(_Sampling):
 def build_app(
     engine: Any,
     tokenizer: Any,
-    model_name: str,
+    model_name: str | None,
     end_of_turn_ids: list[int],
     limits: Limits | None = None,
     sessions: SessionStore | None = None,
 ) -> Any:
-    """The application serving ``engine`` (an ``InferenceEngine``) as ``model_name``."""
+    """The application serving ``engine`` (an ``InferenceEngine``) as ``model_name`` (None: as any name a
+    request gives, listed as ``policy``: a training run's agent may name whichever model it was written
+    for)."""
     from roll.serving import require_serving
 
     require_serving()
@@ -106,7 +113,6 @@ def build_app(
     renderer = ChatRenderer(tokenizer, end_of_turn_ids)
     in_flight = 0
     app = FastAPI(title=f"ROLL: {model_name}", docs_url=None, redoc_url=None)
-    app.state.sessions, app.state.bridge = store, bridge
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
@@ -140,7 +146,7 @@ def build_app(
             value = raw.get(name)
             if value is not None and value is not False and value != neutral:
                 raise ApiError(400, f"{name}: not supported by this server; leave it unset", param=name)
-        if payload.model != model_name:
+        if model_name is not None and payload.model != model_name:
             raise ApiError(
                 404,
                 f"model {payload.model!r} does not exist; this server serves {model_name!r}",
@@ -154,7 +160,9 @@ def build_app(
     def session_of(session_id: str | None) -> Session | None:
         if session_id is None:
             return None
-        session = store.get(session_id)
+        return present(store.get(session_id), session_id)
+
+    def present(session: Session | None, session_id: str) -> Session:
         if session is None:
             raise ApiError(
                 404, f"session {session_id!r} does not exist (never opened, or closed)", code="no_session"
@@ -169,11 +177,14 @@ def build_app(
                 f"the prompt is {prompt_length} tokens; the model takes {limits.max_model_len} in all",
                 "messages" if isinstance(payload, ChatRequest) else "prompt",
             )
-        wanted = max_tokens if max_tokens is not None else min(limits.max_tokens, room)
-        if wanted > min(limits.max_tokens, room):
+        given = min(limits.max_tokens, room)
+        wanted = given if max_tokens is None else max_tokens
+        if limits.clamp_max_tokens:
+            wanted = min(wanted, given)
+        if wanted > given:
             raise ApiError(
                 400,
-                f"max_tokens: {wanted} is more than this server gives ({min(limits.max_tokens, room)} "
+                f"max_tokens: {wanted} is more than this server gives ({given} "
                 f"after a {prompt_length}-token prompt)",
                 "max_tokens",
             )
@@ -198,7 +209,9 @@ def build_app(
             ids.append(encoded[0])
         return tuple(ids)
 
-    async def sample(prompt_ids: list[int], params: SamplingParams, n: int) -> list[GenerateResult]:
+    async def sample(
+        prompt_ids: list[int], params: SamplingParams, n: int, session: Session | None
+    ) -> list[GenerateResult]:
         nonlocal in_flight
         if in_flight + n > limits.max_in_flight:
             raise ApiError(
@@ -206,7 +219,8 @@ def build_app(
             )
         in_flight += n
         try:
-            results = await asyncio.gather(*(bridge.generate(prompt_ids, params) for _ in range(n)))
+            key = session.id if session is not None else None
+            results = await asyncio.gather(*(bridge.generate(prompt_ids, params, key) for _ in range(n)))
         except ValueError as error:  # the engine refused the request (e.g. vLLM and top_p)
             raise ApiError(400, str(error)) from None
         except TimeoutError as error:
@@ -242,7 +256,7 @@ def build_app(
         except RenderError as error:
             raise ApiError(400, str(error), "messages") from None
         params = sampling(payload, len(prompt_ids), payload.max_completion_tokens or payload.max_tokens)
-        results = await sample(prompt_ids, params, payload.n)
+        results = await sample(prompt_ids, params, payload.n, session)
         choices = []
         for index, result in enumerate(results):
             content, calls = renderer.reply(result.token_ids)
@@ -257,7 +271,7 @@ def build_app(
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": model_name,
+            "model": payload.model,
             "choices": choices,
             "usage": usage(prompt_ids, results),
         }
@@ -274,7 +288,7 @@ def build_app(
         if max(prompt_ids) >= len(tokenizer) or min(prompt_ids) < 0:
             raise ApiError(400, f"prompt: token ids must be in [0, {len(tokenizer)})", "prompt")
         params = sampling(payload, len(prompt_ids), payload.max_tokens or min(16, limits.max_tokens))
-        results = await sample(prompt_ids, params, payload.n)
+        results = await sample(prompt_ids, params, payload.n, session)
         choices = []
         for index, result in enumerate(results):
             if session is not None:
@@ -287,13 +301,13 @@ def build_app(
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
-            "model": model_name,
+            "model": payload.model,
             "choices": choices,
             "usage": usage(prompt_ids, results),
         }
 
     def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "roll"}
+        card = {"id": model_name or "policy", "object": "model", "created": 0, "owned_by": "roll"}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")
@@ -328,13 +342,23 @@ def build_app(
     def read_session(session_id: str) -> dict[str, Any]:
         return session_of(session_id).as_dict()
 
+    @app.post("/rl/sessions/{session_id}/reward")
+    async def post_reward(request: Request, session_id: str) -> dict[str, Any]:
+        session = present(store.get(session_id), session_id)
+        body = await request.body()
+        try:
+            reward = json.loads(body).get("reward")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            reward = None
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise ApiError(400, 'reward: send {"reward": <a finite number>}', "reward")
+        session.reward = float(reward)
+        return {"id": session.id, "reward": session.reward}
+
     @app.delete("/rl/sessions/{session_id}")
     def close_session(session_id: str) -> dict[str, Any]:
-        session = store.close(session_id)
-        if session is None:
-            raise ApiError(
-                404, f"session {session_id!r} does not exist (never opened, or closed)", code="no_session"
-            )
+        session = present(store.close(session_id), session_id)
+        engine.release_prefixes([session_id])  # the KV kept between its calls
         return session.as_dict()
 
     @app.exception_handler(404)

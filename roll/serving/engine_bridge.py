@@ -23,9 +23,13 @@ class EngineBridge:
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="serving-await")
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateResult:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, session: str | None = None
+    ) -> GenerateResult:
+        """``session``: the calls' session, the request's ``cache_key`` (the engine keeps its KV between
+        them, and a scheduler behind the endpoint routes by it)."""
         request_id = f"serve-{uuid.uuid4().hex}"
-        self.engine.submit(GenerateRequest(request_id, prompt_ids, params))
+        self.engine.submit(GenerateRequest(request_id, prompt_ids, params, cache_key=session))
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(

@@ -83,6 +83,7 @@ class Session:
         self.branches: list[Branch] = []
         self.forks = 0  # calls whose prompt extended no branch and was not all recorded tokens
         self.calls = 0
+        self.reward: float | None = None  # posted by the agent (POST /rl/sessions/<id>/reward)
         self._lock = threading.Lock()
 
     def chat_prompt(
@@ -145,7 +146,7 @@ class Session:
     def as_dict(self) -> dict[str, Any]:
         with self._lock:
             branches = [branch.as_dict() for branch in self.branches]
-        return {"id": self.id, **self.stats(), "branches": branches}
+        return {"id": self.id, **self.stats(), "reward": self.reward, "branches": branches}
 
 
 class SessionStore:
@@ -156,7 +157,9 @@ class SessionStore:
         self._lock = threading.Lock()
 
     def open(self, session_id: str | None = None) -> Session:
-        session = Session(session_id or uuid.uuid4().hex)
+        return self.add(Session(session_id or uuid.uuid4().hex))
+
+    def add(self, session: Session) -> Session:
         with self._lock:
             if session.id in self._sessions:
                 raise ValueError(f"session {session.id!r} is already open")

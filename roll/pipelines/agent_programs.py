@@ -1,0 +1,157 @@
+"""Agentic RL on a user's agent program (``env.name: agent``): the agent calls an OpenAI-compatible
+endpoint, and what the policy sampled for it is what trains.
+
+    serve the policy on the endpoint (in this process), its sessions recording token ids
+    each step: run the agent on groups of tasks, each run in its own session
+             -> one sample per run: its session's main branch, the run's reward as the score
+             -> the RL step (GRPO, REINFORCE, PPO)
+    evaluate: one greedy and one sampled run per held-out task
+
+Everything else (the roles, weight sync, checkpoints, recovery, asynchronous training) is the agentic
+pipeline's; the agent scheduler (``roll.rollout.agent_scheduler``) takes the episode scheduler's place
+and the endpoint the environment workers'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from roll.config.common import EvalConfig
+from roll.config.sft import SFTTrainConfig
+from roll.envs.agents import make_agent
+from roll.envs.seeds import SeedOrder, held_out_seeds
+from roll.models.loading import turn_stop_ids
+from roll.pipelines.agentic import AgenticPipeline
+from roll.pipelines.preflight import RunInputs
+from roll.pipelines.roles import Role
+from roll.rollout.agent_runs import OPTIONS, AgentRunner, TaskList, load_entrypoint
+from roll.rollout.agent_scheduler import (
+    AgentScheduler,
+    AgentSpec,
+    SchedulerEngine,
+    demonstrations,
+    run_metrics,
+)
+from roll.rollout.backend import RolloutBackend
+from roll.rollout.expert_backend import ExpertBackend
+from roll.serving.sessions import SessionStore
+from roll.strategies.requests import SamplingParams
+from roll.utils.signals import set_activity
+
+
+class AgentProgramPipeline(AgenticPipeline):
+    """RL on runs of ``env.options.entrypoint`` over the tasks of ``env.options.tasks``."""
+
+    scheduler_roles = frozenset({"rollout"})
+    server: Any = None
+    runner: AgentRunner | None = None
+
+    def take_inputs(self, inputs: RunInputs) -> None:
+        options = self.config.env.options
+        self.tasks = TaskList(options["tasks"], self.config.eval.seeds)
+        self.seed_order = SeedOrder(self.tasks, self.config.eval.seeds)  # type: ignore[arg-type]
+        self.entrypoint = load_entrypoint(options["entrypoint"])
+        self.sessions = SessionStore()
+        self.engine = SchedulerEngine()
+
+    def extra_roles(self) -> dict[str, Role]:
+        return {}  # the agent runs in this process; the policy's calls go to the rollout workers
+
+    def warm_start(self, inputs: RunInputs) -> str:
+        """SFT on the agent program's runs against the scripted expert (training tasks only), recorded
+        by the endpoint's sessions exactly as RL's runs are; its model starts RL."""
+        cfg, warm = self.config, self.config.sft_warm_start
+        set_activity(f"playing {warm.episodes} runs of the agent against the {warm.expert} expert")
+        expert = make_agent(warm.expert, warm.expert_options, seed=cfg.seed)
+        backend = ExpertBackend(expert, self.tokenizer, self.end_of_turn_ids[0])
+        spec = dataclasses.replace(
+            self.agent_spec, groups_per_step=min(64, warm.episodes), group_size=1, async_generation_ratio=0
+        )
+        params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens)  # the expert does not sample
+        scheduler = self._scheduler(backend, spec, params, SeedOrder(self.tasks, cfg.eval.seeds), "warm-")
+        try:
+            played = demonstrations(scheduler, warm.episodes)
+        finally:
+            scheduler.close()
+        train = SFTTrainConfig(**{f.name: getattr(warm, f.name) for f in dataclasses.fields(SFTTrainConfig)})
+        return self.run_sft(RunInputs(self.tokenizer, played, None), train, eval=EvalConfig(every_steps=0))
+
+    @property
+    def agent_spec(self) -> AgentSpec:
+        cfg = self.config
+        return AgentSpec(
+            groups_per_step=cfg.rollout.rollout_batch_size,
+            group_size=cfg.rollout.num_return_sequences,
+            timeout_s=float(cfg.env.options.get("timeout_s", OPTIONS["timeout_s"])),
+            max_calls=cfg.env.max_turns,
+            redundancy=cfg.env.group_size_redundancy,
+            async_generation_ratio=cfg.rollout.async_generation_ratio,
+        )
+
+    def make_scheduler(self, backend: RolloutBackend, id_prefix: str) -> AgentScheduler:
+        return self._scheduler(backend, self.agent_spec, self.plan.sampling, self.seed_order, id_prefix)
+
+    def _scheduler(
+        self, backend: RolloutBackend, spec: AgentSpec, params: SamplingParams, seeds: SeedOrder, prefix: str
+    ) -> AgentScheduler:
+        """A scheduler of ``spec``'s runs over ``backend``, behind the endpoint (started the first time)."""
+        if self.server is None:
+            self._serve()
+        assert self.runner is not None
+        scheduler = AgentScheduler(
+            backend,
+            self.runner,
+            self.sessions,
+            self.server.base_url,
+            spec,
+            params,
+            self.tasks,
+            seeds,
+            self.tokenizer.pad_token_id,
+            prefix,
+        )
+        self.engine.scheduler = scheduler
+        return scheduler
+
+    @property
+    def end_of_turn_ids(self) -> list[int]:
+        return turn_stop_ids(self.tokenizer, self.model_path, self.config.rollout.stop_token_ids)
+
+    def _serve(self) -> None:
+        """The endpoint, in a thread of this process, and the loop the agent runs on."""
+        from roll.serving.app import Limits, build_app
+        from roll.serving.server import ServerThread
+
+        cfg = self.config
+        # Every run of a step (and of the steps played ahead) and every held-out run may call at once.
+        runs = cfg.rollout.rollout_batch_size * cfg.rollout.num_return_sequences
+        runs *= 1 + cfg.rollout.async_generation_ratio
+        limits = Limits(
+            max_tokens=cfg.rollout.max_new_tokens,
+            max_model_len=cfg.env.max_context_tokens,
+            max_in_flight=max(256, 2 * (runs + cfg.eval.seeds)),
+            clamp_max_tokens=True,
+        )
+        app = build_app(self.engine, self.tokenizer, None, self.end_of_turn_ids, limits, self.sessions)
+        self.server = ServerThread(app).start()
+        self.runner = AgentRunner(self.entrypoint)
+
+    def evaluate(self) -> dict[str, float]:
+        """One greedy and one sampled run on each held-out task: ``eval/greedy/*``, ``eval/sampled/*``
+        (return, success: reward > 0, failed runs, calls, forks); ``eval/score`` is the success rate
+        ``eval.score`` names."""
+        with self.role_set.on_device(self.generator_role):
+            seeds = held_out_seeds(self.config.eval.seeds)
+            metrics: dict[str, float] = {}
+            for mode, params in (("greedy", self.plan.sampling.as_greedy()), ("sampled", self.plan.sampling)):
+                metrics.update(run_metrics(self.scheduler.play(seeds, params), f"eval/{mode}"))
+        metrics["eval/score"] = metrics[f"eval/{self.config.eval.score}/success"]
+        return metrics
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.runner is not None:
+            self.runner.close()
+        if self.server is not None:
+            self.server.stop()

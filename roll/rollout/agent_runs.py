@@ -1,0 +1,233 @@
+"""Users' agent programs, run as episodes: ``env.name: agent`` with ``env.options.entrypoint``.
+
+An agent program is a function of an OpenAI client and a task (a row of the task dataset)::
+
+    async def run(client: openai.AsyncOpenAI, task: dict) -> float | None
+
+or the same as a plain function taking an ``openai.OpenAI``. Each run gets a client pointed at its own
+session of the endpoint (``roll.serving``), so what the policy samples for it is recorded as token ids.
+It returns its reward, or None when it posted one (``POST /rl/sessions/<id>/reward``).
+
+``AgentRunner`` plays the runs on one asyncio loop in a thread of the driver, each within a wall-time
+bound; a plain function runs on the loop's thread pool (a thread cannot be cancelled: past its bound its
+session is closed, so its next call fails and it ends). ``TaskList`` holds the tasks, the first
+``held_out`` of them for evaluation only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from roll.data.formats import read_rows
+from roll.utils.plugins import import_plugins
+
+__all__ = ["AgentOutcome", "AgentRunner", "TaskList", "check_agent_options", "load_entrypoint"]
+
+AGENT_ENV = "agent"  # the env.name of an agent program
+# env.options of env.name: agent, and their defaults (None: required).
+OPTIONS: dict[str, Any] = {"entrypoint": None, "tasks": None, "timeout_s": 300.0}
+
+# How the OpenAI client of a run behaves: it retries a 429 (too much in flight) and a 5xx this often.
+CLIENT_RETRIES = 5
+
+
+def load_entrypoint(spec: str) -> Callable[..., Any]:
+    """The function ``spec`` names, imported now: ``package.module:function`` (the working directory is
+    searched first, as for ``imports``) or ``path/to/file.py:function``.
+
+    Raises:
+        ValueError: ``spec`` is neither form, or the module has no such function.
+        ImportError: the module cannot be imported (naming the file and line of a broken module).
+    """
+    module_name, sep, name = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+    if not sep or not module_name or not name.isidentifier():
+        raise ValueError(
+            f"entrypoint {spec!r}: write it as module:function or file.py:function (e.g. my_agent:run)"
+        )
+    if module_name.endswith(".py"):
+        module = _import_file(Path(module_name))
+    else:
+        import_plugins([module_name], search_path=os.getcwd())
+        module = importlib.import_module(module_name)
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(f"entrypoint {spec!r}: {module_name} has no function {name}")
+    return function
+
+
+def _import_file(path: Path) -> Any:
+    import importlib.util
+    import sys
+
+    if not path.is_file():
+        raise ImportError(f"{path} does not exist (relative paths start at {os.getcwd()})")
+    module_name = f"roll_agent_{path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look modules up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:
+        sys.modules.pop(module_name, None)
+        raise ImportError(f"cannot import {path}: {type(error).__name__}: {error}") from error
+    return module
+
+
+def check_agent_options(options: dict[str, Any], held_out: int) -> list[str]:
+    """What is wrong with ``env.options`` of ``env.name: agent``, each naming its key: unknown or missing
+    keys, an entrypoint that does not import, a task file that cannot be read or holds too few tasks."""
+    problems = [
+        f"env.options.{key}: env.name agent has no such option; it takes {', '.join(OPTIONS)}"
+        for key in options
+        if key not in OPTIONS
+    ]
+    problems += [
+        f"env.options.{key}: required with env.name agent ({HELP[key]})"
+        for key, default in OPTIONS.items()
+        if default is None and key not in options
+    ]
+    timeout = options.get("timeout_s", OPTIONS["timeout_s"])
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        problems.append(f"env.options.timeout_s: a positive number of seconds, got {timeout!r}")
+    if "entrypoint" in options:
+        try:
+            load_entrypoint(options["entrypoint"])
+        except (ImportError, ValueError) as error:
+            problems.append(f"env.options.entrypoint: {error}")
+    if "tasks" in options:
+        try:
+            TaskList(options["tasks"], held_out)
+        except ValueError as error:  # DatasetError is one
+            problems.append(f"env.options.tasks: {error}")
+    return problems
+
+
+HELP = {
+    "entrypoint": "module:function, your agent program (async def run(client, task) -> float | None)",
+    "tasks": "a dataset file of tasks, one per row, each handed to the agent as a dict",
+}
+
+
+class TaskList:
+    """The tasks of a run, read from a dataset file (any format ``roll train`` reads). Seeds index them:
+    ``0 .. held_out - 1`` are the held-out tasks, and training seeds (``held_out`` upwards) go round the
+    rest, epoch after epoch. ``layout`` is what ``SeedOrder`` asks an env: no two seeds share a task
+    across the split, so nothing needs skipping."""
+
+    def __init__(self, path: str | Path, held_out: int):
+        self.path = str(path)
+        self.rows = [row for _, row in read_rows(path)]
+        self.held_out = held_out
+        if len(self.rows) <= held_out:
+            raise ValueError(
+                f"{path} holds {len(self.rows)} tasks; eval.seeds ({held_out}) holds the first of them out, "
+                "leaving none to train on: add tasks or lower eval.seeds"
+            )
+
+    def task(self, seed: int) -> dict[str, Any]:
+        if seed < self.held_out:
+            return self.rows[seed]
+        return self.rows[self.held_out + (seed - self.held_out) % (len(self.rows) - self.held_out)]
+
+    def layout(self, seed: int) -> None:
+        return None
+
+
+@dataclass
+class AgentOutcome:
+    """How a run ended: its ``reward``, or ``failure`` (``agent_error``: it raised; ``agent_timeout``: past
+    its wall-time bound; ``no_reward``: it returned None and posted none) with ``error`` saying why."""
+
+    reward: float | None = None
+    failure: str | None = None
+    error: str | None = None
+
+
+class AgentRunner:
+    """Runs ``entrypoint`` (see the module docstring) on an asyncio loop of its own thread."""
+
+    def __init__(self, entrypoint: Callable[..., Any], api_key: str = "roll"):
+        self.entrypoint = entrypoint
+        self.api_key = api_key
+        self.is_async = inspect.iscoroutinefunction(entrypoint)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="agent-runs", daemon=True)
+        self._thread.start()
+
+    def start(
+        self,
+        task: dict[str, Any],
+        base_url: str,
+        timeout_s: float,
+        posted_reward: Callable[[], float | None],
+        on_done: Callable[[AgentOutcome], None],
+    ) -> Future:
+        """Start one run of the agent on ``task`` against ``base_url``; ``on_done(outcome)`` is called (on
+        the loop's thread) when it ends, unless it was cancelled. Returns the run's future (``cancel``)."""
+
+        async def run() -> None:
+            outcome = await self._play(task, base_url, timeout_s, posted_reward)
+            on_done(outcome)
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop)
+
+    async def _play(
+        self, task: dict[str, Any], base_url: str, timeout_s: float, posted_reward: Callable[[], float | None]
+    ) -> AgentOutcome:
+        import openai
+
+        options = {"base_url": base_url, "api_key": self.api_key, "max_retries": CLIENT_RETRIES}
+        try:
+            if self.is_async:
+                async with openai.AsyncOpenAI(**options, timeout=timeout_s) as client:
+                    returned = await asyncio.wait_for(self.entrypoint(client, task), timeout_s)
+            else:
+                with openai.OpenAI(**options, timeout=timeout_s) as client:
+                    returned = await asyncio.wait_for(
+                        asyncio.to_thread(self.entrypoint, client, task), timeout_s
+                    )
+        except asyncio.TimeoutError:
+            return AgentOutcome(failure="agent_timeout", error=f"the agent ran past {timeout_s:g} s")
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the user's program failed: the run is dropped, counted
+            return AgentOutcome(failure="agent_error", error=f"{type(error).__name__}: {error}")
+        reward = posted_reward() if returned is None else returned
+        if reward is None:
+            return AgentOutcome(
+                failure="no_reward", error="the agent returned None and posted no reward for its session"
+            )
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            return AgentOutcome(
+                failure="agent_error",
+                error=f"the agent returned {reward!r}: a reward must be a finite number",
+            )
+        return AgentOutcome(reward=float(reward))
+
+    def close(self) -> None:
+        """Cancel what still runs and stop the loop."""
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self._loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(timeout=10)
+            except Exception:  # noqa: BLE001 - shutting down: what could not be cancelled is left
+                pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)

@@ -1,0 +1,59 @@
+"""Agent programs for the tests of ``env.name: agent``: plain ``openai`` clients, no ROLL imports.
+
+``answer_twice`` asks for the answer, then asks again with the reply in its history; ``flaky`` fails once
+per task in the way the task's ``mode`` names, then behaves: a failing task's group is dropped and its
+task drawn again, so a test sees both the drop and the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+
+import httpx
+
+ATTEMPTS: collections.Counter[str] = collections.Counter()  # task name -> runs started
+_LOCK = threading.Lock()
+
+
+async def answer_twice(client, task: dict) -> float:
+    messages = [{"role": "user", "content": task["question"]}]
+    first = await client.chat.completions.create(model="any", messages=messages, temperature=0.3)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "1"}]
+    second = await client.chat.completions.create(model="any", messages=messages, max_tokens=4)
+    return float(second.choices[0].message.content == task["answer"])
+
+
+def answer_once(client, task: dict) -> float:
+    """The same as a plain function with the synchronous client."""
+    # More tokens than the run gives: it gets the run's budget (rollout.max_new_tokens), not a 400.
+    messages = [{"role": "user", "content": task["question"]}]
+    reply = client.chat.completions.create(model="any", messages=messages, max_tokens=4096)
+    return float(reply.choices[0].message.content == task["answer"])
+
+
+async def flaky(client, task: dict) -> float | None:
+    with _LOCK:
+        ATTEMPTS[task["question"]] += 1
+        first_try = ATTEMPTS[task["question"]] == 1
+    mode = task["mode"] if first_try else "ok"
+    if mode == "silent":  # never calls the policy
+        return 1.0
+    if mode == "hang":
+        await asyncio.Event().wait()
+    reply = await client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": task["question"]}]
+    )
+    if mode == "raise":
+        raise RuntimeError("the agent's own bug")
+    if mode == "none":  # returns no reward and posts none
+        return None
+    if mode == "posted":  # posts its reward for its session and returns None
+        session = str(client.base_url).rstrip("/").split("/")[-2]
+        root = str(client.base_url).split("/sessions/")[0]
+        async with httpx.AsyncClient() as http:
+            answer = await http.post(f"{root}/rl/sessions/{session}/reward", json={"reward": 0.5})
+            answer.raise_for_status()
+        return None
+    return float(reply.choices[0].message.content == task["answer"])

@@ -1,0 +1,299 @@
+"""``env.name: agent``: users' agent programs played through the endpoint by the agent scheduler
+(``roll.rollout.agent_scheduler``), against a fake rollout backend, with the real ``openai`` client and
+the real server on localhost."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+import agent_programs  # noqa: E402 - after the skips
+from fake_rollout import FakeBackend  # noqa: E402
+
+from roll.envs.seeds import SeedOrder  # noqa: E402
+from roll.models.tokenizer import build_char_tokenizer  # noqa: E402
+from roll.rollout.agent_runs import AgentRunner, TaskList, check_agent_options  # noqa: E402
+from roll.rollout.agent_scheduler import AgentScheduler, AgentSpec, SchedulerEngine, demonstrations  # noqa: E402
+from roll.serving.app import Limits, build_app  # noqa: E402
+from roll.serving.server import ServerThread  # noqa: E402
+from roll.serving.sessions import SessionStore  # noqa: E402
+from roll.strategies.requests import SamplingParams  # noqa: E402
+
+TOKENIZER = build_char_tokenizer("0123456789*=? ")
+EOS = TOKENIZER.eos_token_id
+ANSWER = TOKENIZER.encode("42", add_special_tokens=False) + [EOS]
+PARAMS = SamplingParams(max_new_tokens=8, temperature=1.0)
+
+
+def write_tasks(path, tasks):
+    path.write_text("".join(json.dumps(task) + "\n" for task in tasks))
+    return path
+
+
+@pytest.fixture()
+def served():
+    """A factory: ``make(entrypoint, tasks, spec)`` -> (scheduler, backend); everything closed after."""
+    opened = []
+
+    def make(entrypoint, tasks, spec, tmp_path, workers=1):
+        backend = FakeBackend(lambda request: (list(ANSWER), 0.0), num_workers=workers)
+        backend.requests = []
+        script = backend.script
+        backend.script = lambda request: (backend.requests.append(request), script(request))[1]
+        sessions, engine = SessionStore(), SchedulerEngine()
+        limits = Limits(max_tokens=8, max_model_len=128, clamp_max_tokens=True)
+        app = build_app(engine, TOKENIZER, None, [EOS], limits, sessions)
+        server = ServerThread(app).start()
+        runner = AgentRunner(entrypoint)
+        task_list = TaskList(write_tasks(tmp_path / "tasks.jsonl", tasks), 0)
+        scheduler = AgentScheduler(
+            backend, runner, sessions, server.base_url, spec, PARAMS, task_list, SeedOrder(task_list, 0), 0
+        )
+        engine.scheduler = scheduler
+        opened.append((scheduler, runner, server))
+        return scheduler, backend, sessions
+
+    yield make
+    for scheduler, runner, server in opened:
+        scheduler.close()
+        runner.close()
+        server.stop()
+
+
+TASK = {"question": "6*7=?", "answer": "42"}
+
+
+@pytest.mark.parametrize("entrypoint", [agent_programs.answer_twice, agent_programs.answer_once])
+def test_each_run_trains_exactly_the_ids_the_policy_sampled_in_its_session(served, tmp_path, entrypoint):
+    spec = AgentSpec(groups_per_step=2, group_size=2, timeout_s=60)
+    scheduler, backend, sessions = served(
+        entrypoint, [TASK, {"question": "7*6=?", "answer": "24"}], spec, tmp_path
+    )
+    batch, metrics = scheduler.next_batch(0)
+    calls = 2 if entrypoint is agent_programs.answer_twice else 1
+    assert len(batch) == 4 and batch["group_index"].tolist() == [0, 0, 1, 1]
+    assert batch["scores"].tolist() == [1.0, 1.0, 0.0, 0.0]  # the agents' own rewards
+    for row in range(4):
+        n = int(batch["response_mask"][row].sum())
+        response = batch["response_ids"][row, :n].tolist()
+        trained = [t for t, keep in zip(response, batch["loss_mask"][row, :n].tolist()) if keep]
+        assert trained == ANSWER * calls  # the sampled ids, and only those
+        assert response[: len(ANSWER)] == ANSWER
+        if calls == 2:  # the next user turn sits between them, masked
+            middle = response[len(ANSWER) : -len(ANSWER)]
+            assert TOKENIZER.decode(middle) == "<|user|>1<|assistant|>"
+        prompt = batch["prompt_ids"][row][batch["prompt_mask"][row].bool()].tolist()
+        assert TOKENIZER.decode(prompt) == f"<|user|>{'6*7=?' if row < 2 else '7*6=?'}<|assistant|>"
+    assert metrics["agent/calls"] == calls and metrics["agent/forks"] == 0
+    assert metrics["agent/return"] == 0.5 and metrics["rollout/dropped_groups"] == 0
+    # The run's sampling, whatever the agent asked (temperature 0.3); fewer tokens may be asked for.
+    assert {request.params.temperature for request in backend.requests} == {1.0}
+    assert sorted({request.params.max_new_tokens for request in backend.requests}) == (
+        [4, 8] if calls == 2 else [8]
+    )
+    # Each call names its run's session (routing, and the engine's kept KV); ended sessions are closed.
+    run_ids = set(batch.non_tensors["episode_id"])
+    assert {request.cache_key for request in backend.requests} == run_ids
+    assert all(sessions.get(run_id) is None for run_id in run_ids)
+
+
+def test_agents_that_raise_hang_never_call_or_give_no_reward_are_dropped_and_counted(served, tmp_path):
+    agent_programs.ATTEMPTS.clear()
+    modes = ["ok", "raise", "hang", "silent", "none", "posted"]
+    tasks = [{**TASK, "question": f"{k}*7=?", "mode": mode} for k, mode in enumerate(modes)]
+    spec = AgentSpec(groups_per_step=len(tasks), group_size=1, timeout_s=3)
+    scheduler, _, _ = served(agent_programs.flaky, tasks, spec, tmp_path)
+    batch, metrics = scheduler.next_batch(0)
+    # Four groups failed, were dropped and the next tasks drawn in their place (seeds 6-9: tasks 0-3
+    # again; the agent behaves on its second run of a task).
+    assert metrics["rollout/dropped_groups"] == 4
+    assert sorted(batch.non_tensors["seed"]) == [0, 5, 6, 7, 8, 9]
+    runs = 10  # six tasks, four of them played twice
+    for failure in ("agent_error", "agent_timeout", "no_calls", "no_reward"):
+        assert metrics[f"agent/{failure}_frac"] == pytest.approx(1 / runs), failure
+    # A failed run is never scored (no zero for it): the runs trained answered right on their second
+    # try, and the posted reward is kept.
+    scores = dict(zip(batch.non_tensors["seed"], batch["scores"].tolist()))
+    assert scores == {0: 1.0, 5: 0.5, 6: 1.0, 7: 1.0, 8: 1.0, 9: 1.0}
+
+
+def test_asynchronous_runs_play_ahead_and_stay_within_the_staleness_bound(served, tmp_path):
+    spec = AgentSpec(groups_per_step=2, group_size=2, timeout_s=60, async_generation_ratio=1)
+    tasks = [{**TASK, "question": f"{k}*7=?"} for k in range(8)]
+    scheduler, backend, _ = served(agent_programs.answer_twice, tasks, spec, tmp_path)
+    scheduler.next_batch(0)
+    # The next batch plays while "the actor trains" (a liveness bound, not a timing assumption).
+    with scheduler._changed:
+        assert scheduler._changed.wait_for(lambda: scheduler.batch_ready, timeout=60)
+    # Two weights versions on: what was played ahead on version 0 is stale and played again.
+    backend.version = 2
+    scheduler.set_weights_version(2)
+    _, metrics = scheduler.next_batch(1)
+    assert metrics["rollout/stale_groups"] >= 2 and metrics["rollout/staleness_max"] <= 1
+    assert metrics["agent/failed_frac"] == 0
+
+
+def test_a_call_outside_a_session_and_a_call_past_the_turn_budget_are_refused(served, tmp_path):
+    import openai
+
+    spec = AgentSpec(groups_per_step=1, group_size=1, timeout_s=60, max_calls=1)
+    scheduler, _, _ = served(agent_programs.answer_twice, [TASK], spec, tmp_path)
+    with pytest.raises(RuntimeError, match="turn budget is spent"):
+        scheduler.next_batch(0)  # every run raises (agent_error) until the step gives up
+    base = scheduler.base_url
+    with pytest.raises(openai.BadRequestError, match="session base URL"):
+        openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0).chat.completions.create(
+            model="any", messages=[{"role": "user", "content": "1"}]
+        )
+
+
+def test_agent_options_are_checked_naming_the_key(tmp_path):
+    tasks = write_tasks(tmp_path / "tasks.jsonl", [TASK, TASK])
+    assert check_agent_options({"entrypoint": "agent_programs:answer_twice", "tasks": str(tasks)}, 1) == []
+    problems = "\n".join(
+        check_agent_options({"entrypoint": "agent_programs:nope", "tasks": str(tasks), "timeout": 3}, 2)
+    )
+    assert "env.options.timeout: env.name agent has no such option" in problems
+    assert (
+        "env.options.entrypoint: entrypoint 'agent_programs:nope': agent_programs has no function" in problems
+    )
+    assert "env.options.tasks:" in problems and "holds 2 tasks; eval.seeds (2)" in problems
+    missing = "\n".join(check_agent_options({}, 0))
+    assert "env.options.entrypoint: required" in missing and "env.options.tasks: required" in missing
+
+
+QUICK = [
+    "steps=3",
+    "sft_warm_start=null",
+    "model.tiny.hidden_size=32",
+    "model.tiny.num_hidden_layers=1",
+    "model.tiny.intermediate_size=64",
+    "rollout.rollout_batch_size=2",
+    "rollout.num_return_sequences=2",
+    "eval.seeds=4",
+    "eval.every_steps=0",
+    "checkpoint.every_steps=0",
+    "tracking.backends=[jsonl]",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_session")
+def test_roll_train_runs_the_agent_program_and_replaces_a_killed_rollout_worker(
+    tmp_path, repo_root, monkeypatch, caplog
+):
+    """``examples/agent_calculator.yaml`` (no warm start, a smaller model) through the pipeline: the agent's
+    runs train, and the rollout worker behind the endpoint, killed before step 2, is replaced without
+    losing a step."""
+    import logging
+    import os
+    import signal
+
+    from roll.config.loader import load_config
+    from roll.pipelines.agent_programs import AgentProgramPipeline
+
+    monkeypatch.chdir(repo_root)
+    out = tmp_path / "run"
+    pipeline = AgentProgramPipeline(
+        load_config("examples/agent_calculator.yaml", [*QUICK, f"output_dir={out}"])
+    )
+    killed = pipeline.role_set.live["rollout"]
+    step = pipeline.step
+
+    def kill_before(number: int) -> dict[str, float]:
+        if number == 2:
+            os.kill(killed.ping()[0]["pid"], signal.SIGKILL)
+        return step(number)
+
+    pipeline.step = kill_before
+    try:
+        with caplog.at_level(logging.WARNING):
+            pipeline._train()
+        assert pipeline.role_set.live["rollout"] is not killed and pipeline.budget.restarts == 1
+        assert "replaced the rollout workers" in caplog.text
+    finally:
+        pipeline.shutdown()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if row["step"] > 0]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["agent/failed_frac"] == 0 and row["agent/calls"] >= 1, row
+        assert row["agent/agent_error_frac"] == 0 and "actor/loss" in row
+
+
+def test_the_calculator_agent_against_the_expert_records_its_tool_call_and_answer(tmp_path, repo_root):
+    """The example's agent (plain openai, API tool calls) against the warm start's expert: each run's row
+    holds the expert's call and answer as trained ids, the tool's result between them masked."""
+    from transformers import AutoTokenizer
+
+    from roll.config.loader import load_config
+    from roll.envs.agents import make_agent
+    from roll.models.tokenizer import build_char_tokenizer
+    from roll.rollout.agent_runs import load_entrypoint
+    from roll.rollout.expert_backend import ExpertBackend
+
+    cfg = load_config(repo_root / "examples/agent_calculator.yaml")
+    tokenizer = build_char_tokenizer(cfg.model.tiny.alphabet)
+    eos = tokenizer.eos_token_id
+    agent = load_entrypoint(str(repo_root / cfg.env.options["entrypoint"]))
+    tasks = [{"question": "37*48", "answer": 1776}, {"question": "12*11", "answer": 132}]
+    sessions, engine = SessionStore(), SchedulerEngine()
+    app = build_app(engine, tokenizer, None, [eos], Limits(max_tokens=72, max_model_len=192), sessions)
+    expert = make_agent("tool_call_expert", {"noise": 0.0})
+    task_list = TaskList(write_tasks(tmp_path / "tasks.jsonl", tasks), 0)
+    spec = AgentSpec(groups_per_step=2, group_size=1, timeout_s=60, max_calls=2)
+    with ServerThread(app) as server:
+        runner = AgentRunner(agent)
+        scheduler = AgentScheduler(
+            ExpertBackend(expert, tokenizer, eos),
+            runner,
+            sessions,
+            server.base_url,
+            spec,
+            SamplingParams(max_new_tokens=72),
+            task_list,
+            SeedOrder(task_list, 0),
+            tokenizer.pad_token_id,
+        )
+        engine.scheduler = scheduler
+        try:
+            batch, metrics = scheduler.next_batch(0)
+            played = demonstrations(scheduler, 2)  # the warm start's rows: the same tasks again
+        finally:
+            scheduler.close()
+            runner.close()
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    plain = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    assert batch["scores"].tolist() == [1.0, 1.0] and metrics["agent/calls"] == 2
+    assert metrics["agent/forks"] == 0  # the tool result continued the branch: nothing re-rendered
+    for row, task in enumerate(tasks):
+        n = int(batch["response_mask"][row].sum())
+        ids, trained = batch["response_ids"][row, :n].tolist(), batch["loss_mask"][row, :n].tolist()
+        assert played.rows[row] == {"response_ids": ids, "loss_mask": trained}
+        arguments = json.dumps({"name": "calc", "arguments": {"x": task["question"]}}, separators=(",", ":"))
+        call = f"<tool_call>{arguments}</tool_call>"
+        sampled = [t for t, keep in zip(ids, trained) if keep]
+        assert sampled == tokenizer.encode(call) + [eos] + tokenizer.encode(str(task["answer"])) + [eos]
+        masked = tokenizer.decode([t for t, keep in zip(ids, trained) if not keep])
+        assert masked == f"<|user|><tool_response>{task['answer']}</tool_response><|assistant|>"
+        prompt = batch["prompt_ids"][row][batch["prompt_mask"][row].bool()].tolist()
+        assert played.token_ids[row] == prompt
+        assert (
+            tokenizer.decode(prompt)
+            == f"<|system|><tools>calc</tools><|user|>{task['question']}<|assistant|>"
+        )
+        # The same conversation rendered by the saved tokenizer, loaded with plain transformers: the ids
+        # training recorded are the ones a user's template gives (no drift between them).
+        tool_call = {"type": "function", "function": {"name": "calc", "arguments": {"x": task["question"]}}}
+        conversation = [
+            {"role": "user", "content": task["question"]},
+            {"role": "assistant", "content": "", "tool_calls": [tool_call]},
+            {"role": "tool", "content": str(task["answer"])},
+            {"role": "assistant", "content": str(task["answer"])},
+        ]
+        text = plain.apply_chat_template(conversation, tools=agent.__globals__["TOOLS"], tokenize=False)
+        assert plain.encode(text, add_special_tokens=False) == prompt + ids
