@@ -57,3 +57,8 @@ async def flaky(client, task: dict) -> float | None:
             answer.raise_for_status()
         return None
     return float(reply.choices[0].message.content == task["answer"])
+
+
+async def answer_and_leave_the_scoring(client, task: dict) -> None:
+    """Asks twice and returns no reward: ``env.options.reward`` scores its transcript."""
+    await answer_twice(client, task)

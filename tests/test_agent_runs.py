@@ -121,6 +121,28 @@ def test_agents_that_raise_hang_never_call_or_give_no_reward_are_dropped_and_cou
     assert scores == {0: 1.0, 5: 0.5, 6: 1.0, 7: 1.0, 8: 1.0, 9: 1.0}
 
 
+def test_a_registered_reward_scores_the_last_reply_of_an_agent_that_returns_none(served, tmp_path):
+    from roll.rewards.base import score_response
+
+    seen = []
+
+    def exact_match(prompt_ids, reply_ids, task):
+        seen.append((TOKENIZER.decode(prompt_ids), TOKENIZER.decode(reply_ids, skip_special_tokens=True)))
+        return score_response("exact_match", seen[-1][0], seen[-1][1], task, reply_ids).score
+
+    spec = AgentSpec(groups_per_step=2, group_size=1, timeout_s=60)
+    tasks = [TASK, {"question": "7*6=?", "answer": "24"}]
+    scheduler, _, _ = served(agent_programs.answer_and_leave_the_scoring, tasks, spec, tmp_path)
+    scheduler.transcript_reward = exact_match
+    batch, metrics = scheduler.next_batch(0)
+    assert batch["scores"].tolist() == [1.0, 0.0] and metrics["agent/no_reward_frac"] == 0
+    # The reply scored is the run's last; the prompt is everything before it, as rendered.
+    assert sorted(seen) == [
+        ("<|user|>6*7=?<|assistant|>42<|eos|><|user|>1<|assistant|>", "42"),
+        ("<|user|>7*6=?<|assistant|>42<|eos|><|user|>1<|assistant|>", "42"),
+    ]
+
+
 def test_asynchronous_runs_play_ahead_and_stay_within_the_staleness_bound(served, tmp_path):
     spec = AgentSpec(groups_per_step=2, group_size=2, timeout_s=60, async_generation_ratio=1)
     tasks = [{**TASK, "question": f"{k}*7=?"} for k in range(8)]
@@ -155,13 +177,17 @@ def test_agent_options_are_checked_naming_the_key(tmp_path):
     tasks = write_tasks(tmp_path / "tasks.jsonl", [TASK, TASK])
     assert check_agent_options({"entrypoint": "agent_programs:answer_twice", "tasks": str(tasks)}, 1) == []
     problems = "\n".join(
-        check_agent_options({"entrypoint": "agent_programs:nope", "tasks": str(tasks), "timeout": 3}, 2)
+        check_agent_options(
+            {"entrypoint": "agent_programs:nope", "tasks": str(tasks), "timeout": 3, "reward": "exact_mach"},
+            2,
+        )
     )
     assert "env.options.timeout: env.name agent has no such option" in problems
     assert (
         "env.options.entrypoint: entrypoint 'agent_programs:nope': agent_programs has no function" in problems
     )
     assert "env.options.tasks:" in problems and "holds 2 tasks; eval.seeds (2)" in problems
+    assert "env.options.reward:" in problems and "exact_match" in problems  # did you mean
     missing = "\n".join(check_agent_options({}, 0))
     assert "env.options.entrypoint: required" in missing and "env.options.tasks: required" in missing
 

@@ -25,6 +25,7 @@ from roll.models.loading import turn_stop_ids
 from roll.pipelines.agentic import AgenticPipeline
 from roll.pipelines.preflight import RunInputs
 from roll.pipelines.roles import Role
+from roll.rewards.base import score_response
 from roll.rollout.agent_runs import OPTIONS, AgentRunner, TaskList, load_entrypoint
 from roll.rollout.agent_scheduler import (
     AgentScheduler,
@@ -110,9 +111,24 @@ class AgentProgramPipeline(AgenticPipeline):
             seeds,
             self.tokenizer.pad_token_id,
             prefix,
+            transcript_reward=self._transcript_reward(),
         )
         self.engine.scheduler = scheduler
         return scheduler
+
+    def _transcript_reward(self) -> Any:
+        """``env.options.reward`` as the scheduler's ``transcript_reward`` (None where unset): the prompt
+        is the run's transcript up to its last reply (as rendered), the response that reply's text."""
+        name = self.config.env.options.get("reward")
+        if name is None:
+            return None
+        decode = self.tokenizer.decode
+
+        def score(prompt_ids: list[int], reply_ids: list[int], task: dict[str, Any]) -> float:
+            prompt, reply = decode(prompt_ids), decode(reply_ids, skip_special_tokens=True)
+            return score_response(name, prompt, reply, task, reply_ids).score
+
+        return score
 
     @property
     def end_of_turn_ids(self) -> list[int]:

@@ -6,7 +6,8 @@ An agent program is a function of an OpenAI client and a task (a row of the task
 
 or the same as a plain function taking an ``openai.OpenAI``. Each run gets a client pointed at its own
 session of the endpoint (``roll.serving``), so what the policy samples for it is recorded as token ids.
-It returns its reward, or None when it posted one (``POST /rl/sessions/<id>/reward``).
+It returns its reward, or None when it posted one (``POST /rl/sessions/<id>/reward``) or when
+``env.options.reward`` (a registered reward function) is to score its transcript.
 
 ``AgentRunner`` plays the runs on one asyncio loop in a thread of the driver, each within a wall-time
 bound; a plain function runs on the loop's thread pool (a thread cannot be cancelled: past its bound its
@@ -35,7 +36,8 @@ __all__ = ["AgentOutcome", "AgentRunner", "TaskList", "check_agent_options", "lo
 
 AGENT_ENV = "agent"  # the env.name of an agent program
 # env.options of env.name: agent, and their defaults (None: required).
-OPTIONS: dict[str, Any] = {"entrypoint": None, "tasks": None, "timeout_s": 300.0}
+OPTIONS: dict[str, Any] = {"entrypoint": None, "tasks": None, "timeout_s": 300.0, "reward": None}
+REQUIRED = ("entrypoint", "tasks")
 
 # How the OpenAI client of a run behaves: it retries a 429 (too much in flight) and a 5xx this often.
 CLIENT_RETRIES = 5
@@ -94,8 +96,8 @@ def check_agent_options(options: dict[str, Any], held_out: int) -> list[str]:
     ]
     problems += [
         f"env.options.{key}: required with env.name agent ({HELP[key]})"
-        for key, default in OPTIONS.items()
-        if default is None and key not in options
+        for key in REQUIRED
+        if key not in options
     ]
     timeout = options.get("timeout_s", OPTIONS["timeout_s"])
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -110,6 +112,13 @@ def check_agent_options(options: dict[str, Any], held_out: int) -> list[str]:
             TaskList(options["tasks"], held_out)
         except ValueError as error:  # DatasetError is one
             problems.append(f"env.options.tasks: {error}")
+    if options.get("reward") is not None:
+        from roll.rewards import REWARD_FUNCTIONS
+
+        try:
+            REWARD_FUNCTIONS.get(options["reward"])
+        except KeyError as error:
+            problems.append(f"env.options.reward: {error.args[0]}")
     return problems
 
 
@@ -170,20 +179,27 @@ class AgentRunner:
         task: dict[str, Any],
         base_url: str,
         timeout_s: float,
-        posted_reward: Callable[[], float | None],
+        reward_after: Callable[[], float | None],
         on_done: Callable[[AgentOutcome], None],
     ) -> Future:
         """Start one run of the agent on ``task`` against ``base_url``; ``on_done(outcome)`` is called (on
-        the loop's thread) when it ends, unless it was cancelled. Returns the run's future (``cancel``)."""
+        the loop's thread) when it ends, unless it was cancelled. ``reward_after()``: the run's reward when
+        the agent returned None (one it posted, or its transcript scored; None: none), called on a thread.
+        Returns the run's future (``cancel``)."""
 
         async def run() -> None:
-            outcome = await self._play(task, base_url, timeout_s, posted_reward)
+            try:
+                outcome = await self._play(task, base_url, timeout_s, reward_after)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # noqa: BLE001 - whatever failed, the scheduler must hear of the run
+                outcome = AgentOutcome(failure="agent_error", error=f"{type(error).__name__}: {error}")
             on_done(outcome)
 
         return asyncio.run_coroutine_threadsafe(run(), self._loop)
 
     async def _play(
-        self, task: dict[str, Any], base_url: str, timeout_s: float, posted_reward: Callable[[], float | None]
+        self, task: dict[str, Any], base_url: str, timeout_s: float, reward_after: Callable[[], float | None]
     ) -> AgentOutcome:
         import openai
 
@@ -203,10 +219,17 @@ class AgentRunner:
             raise
         except Exception as error:  # noqa: BLE001 - the user's program failed: the run is dropped, counted
             return AgentOutcome(failure="agent_error", error=f"{type(error).__name__}: {error}")
-        reward = posted_reward() if returned is None else returned
+        try:
+            reward = await asyncio.to_thread(reward_after) if returned is None else returned
+        except Exception as error:  # noqa: BLE001 - the transcript's reward function failed
+            return AgentOutcome(
+                failure="no_reward", error=f"the reward failed: {type(error).__name__}: {error}"
+            )
         if reward is None:
             return AgentOutcome(
-                failure="no_reward", error="the agent returned None and posted no reward for its session"
+                failure="no_reward",
+                error="the agent returned None, posted no reward for its session, and env.options.reward "
+                "is unset",
             )
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             return AgentOutcome(

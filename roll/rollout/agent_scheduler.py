@@ -30,6 +30,7 @@ import collections
 import dataclasses
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,6 +157,8 @@ class AgentScheduler(GroupScheduler):
         tasks: the tasks; ``seeds`` the training seeds' order over them.
         pad_id: the tokenizer's pad id.
         id_prefix: starts every request and run id (a scheduler after a recovery needs its own).
+        transcript_reward: ``(prompt_ids, reply_ids, task) -> reward`` of a run whose agent returned None
+            and posted none: its main branch up to its last reply, and that reply.
     """
 
     thread_name = "agent-runs"
@@ -173,12 +176,13 @@ class AgentScheduler(GroupScheduler):
         pad_id: int,
         id_prefix: str = "",
         poll_s: float = 0.05,
+        transcript_reward: Callable[[list[int], list[int], dict[str, Any]], float] | None = None,
     ):
         super().__init__()
         self.backend, self.runner, self.sessions, self.base_url = backend, runner, sessions, base_url
         self.spec, self.params, self.tasks, self.source, self.pad_id = spec, params, tasks, seeds, pad_id
         self.groups_per_batch = spec.groups_per_step
-        self.id_prefix, self.poll_s = id_prefix, poll_s
+        self.id_prefix, self.poll_s, self.transcript_reward = id_prefix, poll_s, transcript_reward
         self._live: list[AgentGroup] = []  # groups playing (training and evaluation), in draw order
         self._to_start: list[AgentGroup] = []  # evaluation groups waiting for the next pump
         self._run_group: dict[str, AgentGroup] = {}  # live run id (= its session id) -> its group
@@ -326,14 +330,25 @@ class AgentScheduler(GroupScheduler):
                     dict(self.tasks.task(group.seed)),  # a copy: an agent may change its task
                     f"{self.base_url}/sessions/{run.run_id}/v1",
                     self.spec.timeout_s,
-                    lambda run=run: run.session.reward,
+                    lambda run=run, seed=group.seed: self._reward_after(run, seed),
                     lambda outcome, run=run: self._on_done(run, outcome),
                 )
+
+    def _reward_after(self, run: AgentRun, seed: int) -> float | None:
+        """The reward of a run whose agent returned None: the one it posted, else its transcript scored by
+        ``transcript_reward`` (when set)."""
+        if run.session.reward is not None or self.transcript_reward is None:
+            return run.session.reward
+        branch = run.sample()
+        if branch is None:
+            return None
+        last = len(branch.trained) - branch.trained[::-1].index(False) if False in branch.trained else 0
+        return self.transcript_reward(branch.token_ids[:last], branch.token_ids[last:], self.tasks.task(seed))
 
     def _on_done(self, run: AgentRun, outcome: AgentOutcome) -> None:
         with self._lock:
             if run.outcome is None:
-                if outcome.failure is None and run.sample() is None:
+                if outcome.failure in (None, "no_reward") and run.sample() is None:
                     outcome = AgentOutcome(failure="no_calls", error="the agent never called the policy")
                 run.outcome = outcome
             self._changed.notify_all()
@@ -358,8 +373,8 @@ class AgentScheduler(GroupScheduler):
         return any(run.done and not group.closed for group in self._live for run in group.runs.values())
 
     def _settle(self) -> None:
-        """Close the groups that completed or can no longer complete (a training group's task is then
-        drawn again)."""
+        """Close the groups that completed or can no longer complete (a training group's place then goes
+        to the next task drawn)."""
         for group in list(self._live):
             kept = [rid for rid, run in group.runs.items() if not run.failed][: group.size]
             if len(kept) == group.size and all(group.runs[rid].done for rid in kept):
