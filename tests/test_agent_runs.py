@@ -121,6 +121,16 @@ def test_agents_that_raise_hang_never_call_or_give_no_reward_are_dropped_and_cou
     assert scores == {0: 1.0, 5: 0.5, 6: 1.0, 7: 1.0, 8: 1.0, 9: 1.0}
 
 
+def test_a_spare_run_takes_the_place_of_a_failed_one_in_its_group(served, tmp_path):
+    agent_programs.ATTEMPTS.clear()
+    spec = AgentSpec(groups_per_step=1, group_size=2, timeout_s=60, redundancy=1)
+    task = {**TASK, "mode": "raise"}  # the first of its three runs to start raises, the others answer
+    scheduler, _, _ = served(agent_programs.flaky, [task], spec, tmp_path)
+    batch, metrics = scheduler.next_batch(0)
+    assert metrics["rollout/dropped_groups"] == 0 and batch["scores"].tolist() == [1.0, 1.0]
+    assert agent_programs.ATTEMPTS[TASK["question"]] == 3
+
+
 def test_a_registered_reward_scores_the_last_reply_of_an_agent_that_returns_none(served, tmp_path):
     from roll.rewards.base import score_response
 
