@@ -23,8 +23,7 @@ recipe needs no logprobs pass) when each step's batch of 8 groups x 4 episodes c
 
 Environment workers serve their calls concurrently (``roll.workers.environment.EnvWorker``): the
 scheduler sends many small step calls, and served one at a time each would wait behind every call sent
-to its worker before it (this benchmark measured the scheduler at 0.78x lockstep that way, 1.38x
-concurrent).
+to its worker before it (docs/agentic.md has what that cost).
 
 The workload: ``examples/agentic_frozenlake.yaml`` (GRPO on whole episodes) with these changes.
 
@@ -92,7 +91,7 @@ Run from the repository root (the Ray workers import ``benchmarks.agentic_env`` 
         [--modes lockstep,scheduler,async,async2] [--env-workers 4] [--sleep-scale 0.02]
         [--no-prefix] [--json FILE]
 
-About 5 minutes on 2 cores (Ray and the workers start once). Ray starts locally unless ``RAY_ADDRESS``
+It takes minutes on a CPU (Ray and the workers start once). Ray starts locally unless ``RAY_ADDRESS``
 names a cluster to join.
 """
 

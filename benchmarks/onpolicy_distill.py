@@ -12,9 +12,9 @@ Every ``--eval-every`` steps the held-out prompts are answered greedily and scor
 clock is the sum of the training steps' wall time (``time/step_s``; evaluation excluded). The table says
 when each run first reached its start + ``--gain``.
 
-The student and the teacher are made by the examples (README, "Distillation"):
+The student and the teacher are made by the examples (docs/distill.md):
 
-    roll train examples/sft_start.yaml          # runs/sft-start/model (0.14 held-out)
+    roll train examples/sft_start.yaml          # runs/sft-start/model (its held-out score: docs/distill.md)
     roll train examples/distill_teacher.yaml    # runs/distill-teacher/model (4x wider, 4x longer)
     python benchmarks/onpolicy_distill.py [--steps 300] [--eval-every 25] [--gain 0.2] [--mixed]
 """

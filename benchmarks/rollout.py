@@ -64,8 +64,8 @@ budget.
 
 ``--fake``: the same three modes with a latency-simulating fake engine in place of the rollout
 workers' generation (``FakeEngineBackend``; "fake engine" in the output). Each request takes
-``--fake-token-ms`` (default 10; the real engine takes 7-10 ms per decode step here) per token of its
-budget in real time, however many run at once (a GPU decoding a small batch), holds no core and
+``--fake-token-ms`` (default 10, about what the real engine takes per decode step on a CPU) per token of
+its budget in real time, however many run at once (a GPU decoding a small batch), holds no core and
 returns random characters; an abort returns the tokens made so far; each token carries the weights
 version in force when it was sampled. Rewards, training, weight sync (to the idle real rollout worker)
 and the warm-up steps stay real. With no core shared between generation and training, it shows what
@@ -76,7 +76,7 @@ Run from the repository root (the Ray workers import ``benchmarks.rollout_reward
     python benchmarks/rollout.py [--fake] [--rounds 3] [--steps 5] [--warmup 1]
         [--modes batch,scheduler,async] [--reward-workers 2] [--min-tokens 16] [--json FILE]
 
-About 2 minutes on 2 cores (Ray and the workers start once). Ray starts locally unless
+It takes minutes on a CPU (Ray and the workers start once). Ray starts locally unless
 ``RAY_ADDRESS`` names a cluster to join.
 """
 

@@ -21,7 +21,7 @@ achieves on this machine right now. "ratio" = sync time / memcpy time, i.e. how 
 weights one sync costs; it compares across noisy or differently sized machines better than absolute
 numbers do. The shared-memory path copies the bytes once into the segment and once out per receiver,
 so with N receivers its floor is about 1 + N copies' worth of memory traffic (the receivers copy in
-parallel, but a 2-core machine's memory bandwidth is nearly used up by one copy). gloo adds loopback
+parallel, but on a small machine one copy can use up most of the memory bandwidth). gloo adds loopback
 socket transfers (several kernel copies, the sender serving the receivers in turn). Small models
 measure fixed latency (Ray calls, and for gloo the header, verdict and acknowledgement collectives), not
 bandwidth. The warm-up syncs are slower: freshly loaded weights are memory-mapped from the checkpoint and

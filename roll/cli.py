@@ -2,9 +2,10 @@
 ``roll resume RUN_DIR [key=value ...]``, ``roll config CONFIG [key=value ...]``, and ``roll plot RUN ...`` and
 ``roll compare RUN ...`` over finished or running runs' metrics, ``roll export RUN [--merge]``
 (a run's LoRA adapter, or the merged model), and ``roll pairs MODEL PROMPTS OUT`` (preference pairs from a
-model's own samples).
+model's own samples), and ``roll serve MODEL_OR_RUN`` (an OpenAI-compatible endpoint).
 
-Config loading and validation come first and import neither torch nor Ray, so a typo is rejected at once.
+Config loading and validation come first, before Ray or any model starts, so a typo is rejected at once
+(loading imports neither torch nor Ray; an RL config's registry checks import torch).
 """
 
 from __future__ import annotations
@@ -268,7 +269,7 @@ def export_model(
     ),
 ) -> None:
     """Export a run's trained policy: its LoRA adapter (peft format) or, with --merge, the merged model."""
-    from roll.models.export import ExportError, default_destination, export
+    from roll.export import ExportError, default_destination, export
 
     try:
         typer.echo(export(run, out or default_destination(run, merge), merge, base))
@@ -291,7 +292,7 @@ def make_pairs(
     worst as rejected, where they differ (the data for pipeline: dpo)."""
     from roll.data.dataset import DatasetError
     from roll.models.loading import ModelPathError
-    from roll.preference_pairs import sample_preference_pairs, write_jsonl
+    from roll.pipelines.preference_pairs import sample_preference_pairs, write_jsonl
     from roll.rewards import REWARD_FUNCTIONS
 
     if reward not in REWARD_FUNCTIONS:
@@ -326,7 +327,7 @@ def serve(
 ) -> None:
     """Serve a model on an OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions, /v1/models),
     for evaluation and debugging with any OpenAI client."""
-    from roll.models.export import ExportError
+    from roll.export import ExportError
     from roll.models.loading import ModelPathError
     from roll.serving.server import serve_model
 

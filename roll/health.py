@@ -24,10 +24,12 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from roll.config.health import HealthConfig, monitor_sections
 from roll.utils.registry import Registry
+
+if TYPE_CHECKING:
+    from roll.config.health import HealthConfig
 
 HEALTH_PREFIX = "health/"
 HEALTH_DIR = "health"
@@ -456,6 +458,16 @@ class Episode:
             return False
         self.active = True
         return True
+
+
+def monitor_sections(health: Any) -> dict[str, Any]:
+    """Each monitor's section of a ``health`` config by name (the name ``MONITORS`` registers it under):
+    its fields that are dataclasses."""
+    return {
+        f.name: getattr(health, f.name)
+        for f in dataclasses.fields(health)
+        if dataclasses.is_dataclass(getattr(health, f.name))
+    }
 
 
 class HealthMonitors:

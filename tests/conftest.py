@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# Where PYTHONDONTWRITEBYTECODE is set (this machine, CI), every process the suite starts (hundreds of Ray
+# workers, each `roll train`) would compile the modules of roll/ it imports again, about a second of CPU
+# each. The suite lets them write bytecode once (to __pycache__, which git ignores) and reuse it: set here,
+# before pytest-xdist starts its processes and they start Ray, so all of them inherit it.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 @pytest.fixture(scope="session")
@@ -99,10 +107,8 @@ def quickstart_run(repo_root: Path, tmp_path_factory: pytest.TempPathFactory, ra
     distillation), which each made that warm start before. Returns the output directory and the finished
     process.
 
-    The warm start's 300 SFT steps gave 0.235 to 0.325 held-out over five seeds. At 250 (the example's
-    before) its score sat on the steep part of the learning curve, where any change of rounding moved it
-    (0.06 to 0.315 over five seeds; 0.16 or 0.06 for one seed with one thread or two), and the tests that
-    start from it passed or failed with it."""
+    The warm start's 300 SFT steps end past the steep part of its learning curve, so a change of rounding
+    does not move the score the tests start from (docs/quickstart-tuning.md)."""
     from test_pipelines_cli import roll_train
 
     output_dir = tmp_path_factory.mktemp("quickstart") / "run"
@@ -189,10 +195,9 @@ def _can_create_in(directory: Path) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     """On each of pytest-xdist's processes, torch (and any ``roll train`` or benchmark it starts) uses its
-    share of the cores: two processes of two threads each on 2 cores spent the fast tier's time handing
-    cores back and forth (4:10 against 3:41 with one thread each). So do the Ray workers of the tests and
-    runs each process starts (``ROLL_CPU_THREADS``): two test files of whole runs side by side took 124 and
-    140 s with two threads per worker, 118 and 134 s with one."""
+    share of the cores, and so do the Ray workers of the tests and runs each process starts
+    (``ROLL_CPU_THREADS``): with more threads than cores, the processes hand the cores back and forth
+    (docs/development.md)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         import torch
@@ -226,10 +231,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - x
     return ModuleScheduling(config, log)
 
 
-# The modules that take longest (minutes each on 2 cores), longest first: under pytest-xdist the test
-# processes take modules in collection order, so these start first and the run does not end waiting on
-# one long module while the other process is idle. Measured with `--junitxml` (2026-11-27): each of
-# these took over 20 s of a CI run.
+# The modules that take longest, longest first: under pytest-xdist the test processes take modules in
+# collection order, so these start first and the run does not end waiting on one long module while the
+# other process is idle. Keep it to the modules over about 20 s of a CI run (`--durations`).
 LONGEST_MODULES = (
     *QUICKSTART_MODULES,
     "test_agentic",
@@ -264,7 +268,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             )
 
 
-# A test over this many seconds belongs to the slow tier (README, "Tests"): the fast tier must stay
+# A test over this many seconds belongs to the slow tier (docs/development.md): the fast tier must stay
 # within 5 minutes. Reported at the end of the run, not failed: a busy machine stretches any test.
 SLOW_TEST_S = 60.0
 

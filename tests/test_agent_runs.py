@@ -18,9 +18,9 @@ from roll.envs.seeds import SeedOrder  # noqa: E402
 from roll.models.tokenizer import build_char_tokenizer  # noqa: E402
 from roll.rollout.agent_runs import AgentRunner, TaskList, check_agent_options  # noqa: E402
 from roll.rollout.agent_scheduler import AgentScheduler, AgentSpec, SchedulerEngine, demonstrations  # noqa: E402
+from roll.rollout.sessions import SessionStore  # noqa: E402
 from roll.serving.app import Limits, build_app  # noqa: E402
 from roll.serving.server import ServerThread  # noqa: E402
-from roll.serving.sessions import SessionStore  # noqa: E402
 from roll.strategies.requests import SamplingParams  # noqa: E402
 
 TOKENIZER = build_char_tokenizer("0123456789*=? ")

@@ -249,58 +249,17 @@ def play_greedily_with_transformers(model_dir: Path, seeds, max_turns: int, max_
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_session", "at_repo_root")
-def test_a_killed_environment_worker_and_a_frozen_rollout_worker_are_replaced_without_losing_a_step(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Synchronous episodes: the environment worker is killed before step 1 and the rollout worker frozen
-    (SIGSTOP) before step 2. Each is replaced within its step (the frozen one once the liveness bound finds
-    it) and the run completes: needs a running pipeline with real workers to lose."""
-    import logging
-
-    from roll.pipelines.agentic import AgenticPipeline
-
-    out = tmp_path / "run"
-    overrides = [*QUICK, f"output_dir={out}", "sft_warm_start=null", "eval.every_steps=0", "steps=3"]
-    overrides += ["ray.liveness_timeout_s=10", "ray.call_timeout_s=900"]  # see the asynchronous test below
-    pipeline = AgenticPipeline(load_config(EXAMPLE, overrides))
-    killed, frozen_cluster = pipeline.role_set.live["environment"], pipeline.role_set.live["rollout"]
-    frozen = frozen_cluster.ping()[0]["pid"]
-    step = pipeline.step
-
-    def freeze_before(number: int) -> dict[str, float]:
-        if number == 2:
-            os.kill(frozen, signal.SIGSTOP)
-        return step(number)
-
-    pipeline.step = freeze_before
-    try:
-        os.kill(killed.ping()[0]["pid"], signal.SIGKILL)
-        with caplog.at_level(logging.WARNING):
-            pipeline._train()
-        assert pipeline.role_set.live["environment"] is not killed
-        assert pipeline.role_set.live["rollout"] is not frozen_cluster and pipeline.budget.restarts == 2
-        assert "replaced the environment workers" in caplog.text and "lost rollout rank 0" in caplog.text
-        assert "replaced the rollout workers" in caplog.text
-    finally:
-        if process_state(frozen) not in ("gone", "Z"):
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                os.kill(frozen, sig)
-        pipeline.shutdown()
-    assert [row["step"] for row in metrics(out)] == [1, 2, 3]
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("ray_session", "at_repo_root")
-def test_asynchronous_step_wise_episodes_recover_frozen_workers_without_losing_a_step(
+def test_asynchronous_step_wise_episodes_recover_killed_and_frozen_workers_without_losing_a_step(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Step-wise GiGPO with episodes playing on while the actor trains (rollout.async_generation_ratio=1)
-    and two mini-batches per step. The environment worker is frozen (SIGSTOP) before step 2 and the
-    rollout worker before step 3, while the background thread plays ahead: each frozen one is found at
-    the liveness bound and killed without being waited for, each is replaced, no step is lost,
-    samples stay within the staleness bound, the off-policy correction is on, and the LR schedule
-    (linear over 3 steps x 2 mini-batches) runs on as if nothing happened, whatever the turns per step.
-    A killed environment worker is the synchronous test's."""
+    and two mini-batches per step. The environment worker is killed before step 1, its replacement frozen
+    (SIGSTOP) before step 2 and the rollout worker frozen before step 3, while the background thread plays
+    ahead: the killed one is found dead, each frozen one at the liveness bound and killed without being
+    waited for; each is replaced, no step is lost, samples stay within the staleness bound, the off-policy
+    correction is on, and the LR schedule (linear over 3 steps x 2 mini-batches) runs on as if nothing
+    happened, whatever the turns per step. Losses exist only in a running pipeline with real workers; one
+    run holds all three (each run costs its workers' start-up)."""
     import logging
 
     from roll.pipelines.agentic import AgenticPipeline
@@ -315,25 +274,31 @@ def test_asynchronous_step_wise_episodes_recover_frozen_workers_without_losing_a
     # are answered beside the work), and the calls' own timeout stays far above anything they wait for.
     overrides += ["ray.liveness_timeout_s=10", "ray.call_timeout_s=900"]
     pipeline = AgenticPipeline(load_config(EXAMPLE, overrides))
-    lost = {2: pipeline.role_set.live["environment"], 3: pipeline.role_set.live["rollout"]}
-    frozen = {number: cluster.ping()[0]["pid"] for number, cluster in lost.items()}
+    killed, rollout = pipeline.role_set.live["environment"], pipeline.role_set.live["rollout"]
+    frozen = {3: rollout.ping()[0]["pid"]}
+    lost = {1: killed, 3: rollout}
     step = pipeline.step
 
     def freeze_before(number: int) -> dict[str, float]:
         # The background thread is playing this step's episodes ahead by now.
+        if number == 2:  # the replacement of the killed environment worker (env steps run beside a ping)
+            lost[2] = pipeline.role_set.live["environment"]
+            frozen[2] = lost[2].ping()[0]["pid"]
         if number in frozen:
             os.kill(frozen[number], signal.SIGSTOP)
         return step(number)
 
     pipeline.step = freeze_before
     try:
+        os.kill(killed.ping()[0]["pid"], signal.SIGKILL)
         with caplog.at_level(logging.WARNING):
             pipeline._train()
-        assert pipeline.role_set.live["environment"] is not lost[2]
+        live_env = pipeline.role_set.live["environment"]
+        assert live_env is not lost[1] and live_env is not lost[2]
         assert pipeline.role_set.live["rollout"] is not lost[3]
-        assert pipeline.budget.restarts == 2
+        assert pipeline.budget.restarts == 3
         assert "lost environment rank 0" in caplog.text and "lost rollout rank 0" in caplog.text
-        assert "replaced the environment workers" in caplog.text
+        assert caplog.text.count("replaced the environment workers") == 2
         assert "replaced the rollout workers" in caplog.text
         # Ended by Ray, never woken to be asked: gone (or dead, waiting to be reaped) while still stopped.
         deadline = time.monotonic() + 300  # only a failure waits this long
@@ -379,11 +344,11 @@ def test_ppo_with_a_critic_trains_on_episodes(tmp_path: Path) -> None:
 def test_frozenlake_held_out_success_rises_with_rl(repo_root: Path, tmp_path: Path, ray_address: str) -> None:
     """The step-wise GiGPO example through `roll train`, shortened: 100 SFT steps imitating the noisy
     expert, then 20 GiGPO steps; the sampled success on the 200 held-out maps must rise by at least 0.15.
-    200 SFT and 30 RL steps measured +0.315, +0.27, +0.265 and +0.29 (about 90 s each); 100 SFT steps
-    start as well (0.41-0.46 held-out against 0.45) in half the time, and 20 RL steps from there measured
-    +0.305 (0.41 -> 0.715). The sampled evaluation of one checkpoint varies by about 0.03. (The
-    trajectory-wise GRPO example needs 40 RL steps from a weaker start for the same margin, and half
-    again the time: its learning is shown by the README's run.)"""
+    Only a whole SFT-then-RL run shows that the example learns. The shortened start is as good as the
+    example's in half the time, and the bar sits well below the gains measured from it and far above the
+    noise of one sampled evaluation (docs/agentic.md). (The trajectory-wise GRPO example needs more RL
+    steps from a weaker start for the same margin, and more time: its learning is shown by the run in
+    docs/agentic.md, "The FrozenLake demonstration".)"""
     import subprocess
     import sys
 
@@ -400,8 +365,7 @@ def test_frozenlake_held_out_success_rises_with_rl(repo_root: Path, tmp_path: Pa
         env={**os.environ, "RAY_ADDRESS": ray_address},  # the session's Ray: none to start and stop
         capture_output=True,
         text=True,
-        # Only a guard against a hang: about 90 s alone, 4 minutes beside another test run, and past 30
-        # minutes on 2 cores shared with two test runs and four busy loops.
+        # Only a guard against a hang: a busy machine stretches this run many times over.
         timeout=3 * 3600,
     )
     assert run.returncode == 0, run.stderr[-3000:]

@@ -166,9 +166,17 @@ def kill_without_asking(cluster: Cluster) -> None:
 @pytest.fixture(scope="module")
 def echo_pair(ray_session: None) -> Iterator[Cluster]:
     """One two-rank EchoWorker cluster shared by the tests that only call it (routing and futures; its
-    workers keep no state between calls): starting one per test cost about 2 s each."""
+    workers keep no state between calls): starting one per test would add a cluster's start to each."""
     # A caller's CUDA_VISIBLE_DEVICES does not reach a CPU role (test_a_cpu_role_sees_no_gpu).
     cluster = Cluster("echo", EchoWorker, 2, config=None, env={"CUDA_VISIBLE_DEVICES": "0", "ROLL_X": "1"})
+    yield cluster
+    cluster.kill()
+
+
+@pytest.fixture(scope="module")
+def echo_trio(ray_session: None) -> Iterator[Cluster]:
+    """A three-rank EchoWorker cluster for the tests that only call it with rank-dependent answers."""
+    cluster = Cluster("echo", EchoWorker, 3, config=None)
     yield cluster
     cluster.kill()
 
@@ -191,8 +199,8 @@ def make_batch(n: int) -> Batch:
 # ------------------------------------------------------------------ dispatch modes over actors
 
 
-def test_one_to_all_returns_one_result_per_rank_in_rank_order(make_cluster):
-    cluster = make_cluster("echo", EchoWorker, world_size=3)
+def test_one_to_all_returns_one_result_per_rank_in_rank_order(echo_trio):
+    cluster = echo_trio
     assert cluster.whoami("hi") == [
         {"role": "echo", "rank": rank, "world_size": 3, "tag": "hi"} for rank in range(3)
     ]
@@ -251,8 +259,8 @@ def test_calls_on_two_clusters_run_concurrently(make_cluster, tmp_path):
 # ------------------------------------------------------------------ one rank, and whichever answers first
 
 
-def test_call_rank_calls_one_rank_blocking_or_not(make_cluster):
-    cluster = make_cluster("echo", EchoWorker, world_size=3)
+def test_call_rank_calls_one_rank_blocking_or_not(echo_trio):
+    cluster = echo_trio
     assert cluster.call_rank(1, "whoami", "hi") == {"role": "echo", "rank": 1, "world_size": 3, "tag": "hi"}
     # Any public method, registered or not; keyword arguments reach the worker.
     assert cluster.call_rank(2, "not_registered") is None
@@ -444,10 +452,10 @@ def test_a_rank_found_silent_is_killed_without_being_asked_to_shut_down(make_clu
             pass  # Ray ended it
 
 
-def test_repr_and_help_describe_the_registered_methods(make_cluster):
-    cluster = make_cluster("echo", EchoWorker, world_size=1)
+def test_repr_and_help_describe_the_registered_methods(echo_trio):
+    cluster = echo_trio
     text = repr(cluster)
-    assert "echo" in text and "world_size=1" in text
+    assert "echo" in text and "world_size=3" in text
     for name in ("add_rank", "export", "metrics", "ping", "scale", "setup", "whoami"):
         assert f"'{name}'" in text
     assert "not_registered" not in text

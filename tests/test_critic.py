@@ -82,7 +82,7 @@ def test_critic_learns_the_returns(tiny_model_path, batch):
     assert history[-1]["explained_variance"] > 0.8
 
 
-@pytest.mark.slow  # two FSDP2 ranks: about 20 s; the fast suite keeps the one-rank critic tests
+@pytest.mark.slow  # two FSDP2 ranks; the fast suite keeps the one-rank critic tests
 @pytest.mark.usefixtures("ray_session")
 def test_two_rank_critic_equals_one_rank(tiny_model_path, batch):
     """Two FSDP2 critic ranks over gloo train exactly as one: needs two worker processes and a collective,

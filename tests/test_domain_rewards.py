@@ -338,7 +338,7 @@ def test_countdown_hostile_inputs_are_rejected_quickly() -> None:
         "<answer>" + "-" * (MAX_EQUATION_CHARS - 1) + "1</answer>",
     ]
     # CPU time of this thread, not wall time: what the check costs, whatever else the machine runs. All
-    # of them take about 2 ms; a regex that rescanned the spam for every tag would take minutes.
+    # of them take milliseconds; a regex that rescanned the spam for every tag would take minutes.
     started = time.thread_time()
     for response in hostile:
         assert _outcome(_countdown(response)) == "malformed"

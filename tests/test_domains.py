@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from roll.config.rl_checks import validate_rlvr
 from roll.config.rlvr import DomainConfig, RLVRConfig, run_domains
-from roll.config.validation import validate_rlvr
 from roll.data.batch import Batch
 from roll.data.dataset import DatasetError
 from roll.data.domains import DEFAULT_DOMAIN

@@ -310,8 +310,8 @@ TRL_METRICS = {
 def test_a_precomputed_reference_trains_exactly_like_a_reference_worker_and_is_read_back(
     tmp_path, tiny_model_path, at_repo_root, ray_session
 ):
-    """Three DPO runs (reference worker, precomputed, cache read back) must log the same losses: the equality
-    is only visible across whole pipeline runs."""
+    """DPO runs with a reference worker and precomputed must log the same losses, and a third run reads the
+    cache back: the equality is only visible across whole pipeline runs."""
     online = run_dpo(tmp_path, tiny_model_path, "worker", "reference.source=worker")
     cache = tmp_path / "cache"
     cached = run_dpo(tmp_path, tiny_model_path, "precomputed", f"reference.cache_dir={cache}")
@@ -331,28 +331,28 @@ def test_a_precomputed_reference_trains_exactly_like_a_reference_worker_and_is_r
 
     files = sorted(cache.iterdir())
     assert len(files) == 2  # the training and the held-out pairs
-    # A second run reads the cache: shift what it holds and the rewards shift with it.
+    # A second run reads the cache: shift what it holds and the rewards of the held-out pairs (read back)
+    # shift with it; its other training pairs are scored again, into a file of their own.
     for file in files:
         values = torch.load(file)
         save_cached(file, {key: value + 1.0 for key, value in values.items()})
-    shifted = run_dpo(
-        tmp_path, tiny_model_path, "again", f"reference.cache_dir={cache}", "steps=1", "dpo.beta=0.5"
-    )
-    assert shifted[1]["rewards/chosen"] == pytest.approx(-0.5, abs=1e-5)  # beta x (policy - (reference + 1))
-    # Other data is scored again, into a file of its own.
     write_jsonl(tmp_path / "other.jsonl", constant_preference(16, offset=50))
-    run_dpo(
+    again = run_dpo(
         tmp_path,
         tiny_model_path,
-        "other",
+        "again",
         f"reference.cache_dir={cache}",
         "steps=1",
+        "dpo.beta=0.5",
         f"data.train_path={tmp_path / 'other.jsonl'}",
     )
+    # Before training the policy is the reference: beta x (policy - (reference + 1)) read back, 0 scored anew.
+    assert again[0]["eval/rewards/chosen"] == pytest.approx(-0.5, abs=1e-5)
+    assert again[1]["rewards/chosen"] == pytest.approx(0.0, abs=1e-5)
     assert len(list(cache.iterdir())) == 3
 
 
-@pytest.mark.slow  # 25-40 s: kept out of the fast tier
+@pytest.mark.slow  # a whole run's workers and three steps
 def test_with_lora_the_reference_is_the_base_model_with_the_adapter_off(
     tmp_path, tiny_model_path, at_repo_root, ray_session
 ):
@@ -393,15 +393,13 @@ def test_a_resumed_dpo_run_matches_the_uninterrupted_one_even_with_its_cache_del
 def test_preference_pairs_from_the_models_own_samples_raise_its_held_out_score(
     tmp_path, quickstart_warm_start, repo_root, at_repo_root, ray_session
 ):
-    """The README's DPO demonstration, shortened: pairs from the tests' quickstart warm start's own samples
-    on 1000 training prompts (chosen right, rejected wrong), then 100 steps of DPO with RPO's SFT term.
-    DPO's sigmoid loss alone needs the pairs of all 4000 prompts (README: +0.175 and +0.205 held-out in
-    200 steps); on these few hundred pairs it overfits, and the SFT term on the chosen answers keeps it
-    learning: from eight warm starts between 0.145 and 0.325 held-out it gained +0.065 to +0.315 (mean
-    +0.19, standard deviation 0.08), so the bar is +0.03, twice that deviation below the mean (it was
-    +0.06, which the warm start at 0.31 cleared by 0.005). A warm start at 0.06 gave only 264 pairs."""
+    """docs/dpo.md's DPO demonstration ("Measured"), shortened: pairs from the tests' quickstart warm
+    start's own samples on 1000 training prompts (chosen right, rejected wrong), then 100 steps of DPO
+    with RPO's SFT term. DPO's sigmoid loss alone needs the pairs of all 4000 prompts; on these few
+    hundred pairs it overfits, and the SFT term on the chosen answers keeps it learning. The bar (+0.03)
+    sits two standard deviations below the mean gain measured from several warm starts (docs/dpo.md)."""
     from roll.pipelines import run_pipeline
-    from roll.preference_pairs import sample_preference_pairs, write_jsonl
+    from roll.pipelines.preference_pairs import sample_preference_pairs, write_jsonl
 
     prompts = tmp_path / "prompts.jsonl"
     rows = (repo_root / "examples" / "data" / "addition" / "train.jsonl").read_text().splitlines()[:1000]

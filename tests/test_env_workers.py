@@ -42,7 +42,7 @@ def test_each_rank_steps_its_episodes_in_one_call() -> None:
         with pytest.raises(WorkerError, match="environment rank 1 failed in step"):
             envs.call_rank(1, "step", [("a", "L")])  # episode a lives on rank 0: a caller's bug, reported
         pids = {info["rank"]: info["pid"] for info in envs.ping()}
-        # An environment worker never loads torch (2 s of every start and every replacement).
+        # An environment worker never loads torch (its import would lengthen every start and replacement).
         assert "libtorch" not in Path(f"/proc/{pids[0]}/maps").read_text()
         pid = pids[1]
         os.kill(pid, signal.SIGKILL)

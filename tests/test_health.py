@@ -18,13 +18,14 @@ from typer.testing import CliRunner
 
 from roll import checkpoint
 from roll.config import ConfigError, load_config
-from roll.config.health import HealthConfig, monitor_sections
+from roll.config.health import HealthConfig
 from roll.config.rlvr import RLVRConfig
 from roll.health import (
     HEALTH_STOP_EXIT_CODE,
     MONITORS,
     HealthMonitors,
     HealthStop,
+    monitor_sections,
     trend,
 )
 from roll.pipelines.recovery import RestartBudget

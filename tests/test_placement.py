@@ -100,7 +100,7 @@ def test_second_table_cannot_reserve_held_devices_and_leaves_nothing_behind(tabl
 # ------------------------------------------------------------------ placed clusters
 
 
-@pytest.mark.slow  # starts several placed clusters: about 25 s
+@pytest.mark.slow  # starts several placed clusters
 def test_placed_clusters_run_where_their_plans_say(table, make_cluster):
     """A colocated plan (actor [0, 1] + rollout [0, 1]), a disaggregated one (the same actor + rollout
     [2, 3]) and a model-parallel role (2 devices per worker). Every actor starts worker processes that
@@ -178,7 +178,7 @@ def test_removed_table_cannot_place():
 # ------------------------------------------------------------------ two nodes
 
 
-# Two Ray nodes plus four torch-importing workers take about 20 s on a 2-core machine.
+# Two Ray nodes plus four torch-importing workers: too long for the fast tier.
 @pytest.mark.slow
 def test_two_node_cluster_places_ranks_on_the_node_of_their_devices(repo_root: Path):
     """Ranks land on the node that owns their devices across two Ray nodes: needs a two-node Ray cluster of
@@ -198,7 +198,7 @@ def test_two_node_cluster_places_ranks_on_the_node_of_their_devices(repo_root: P
             cwd=repo_root,
             capture_output=True,
             text=True,
-            timeout=900,  # about 20 s; only a hang comes near this
+            timeout=900,  # only a hang comes near this
         )
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)

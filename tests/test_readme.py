@@ -1,4 +1,4 @@
-"""The README's two commands are the ones CI runs, so a missing install step fails CI."""
+"""The README's install and test commands are the ones CI runs, so a missing install step fails CI."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """The recipes in examples/recipes with a code path of their own train two steps, algorithm options
 reach the workers, and asynchronous training corrects stale samples. That RLVR learns is shown by the
 full quickstart in .ci/run and by test_lora's GRPO run; PPO's gain over 1000 steps is in
-docs/algorithms.md (a 250-step PPO learning run here cost two minutes of the suite).
+docs/algorithms.md (a PPO learning run here cost the suite too much time).
 
 The short runs load the config and run the pipeline in the test process, on the session's Ray: a
-``roll train`` subprocess per run would add about 5 s of start-up each, and the CLI path itself is
+``roll train`` subprocess per run would add a process's start-up to each, and the CLI path itself is
 tested by the docs example here and by test_pipelines_cli."""
 
 from __future__ import annotations

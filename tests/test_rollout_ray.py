@@ -54,7 +54,7 @@ def make_scheduler(rollout, scorer, prompts, tokenizer, backend=None, **spec) ->
     return RolloutScheduler(backend, prompts, order, spec, PARAMS, tokenizer)
 
 
-@pytest.mark.slow  # four rollout workers and a reward worker: about 25 s
+@pytest.mark.slow  # four rollout workers and a reward worker
 def test_sync_scheduler_gives_the_batch_of_batch_generation_then_batch_scoring(
     tiny_model_path, prompts, tokenizer
 ):
@@ -99,7 +99,7 @@ def test_sync_scheduler_gives_the_batch_of_batch_generation_then_batch_scoring(
 # on a controlled clock). Timing it here on real workers compared two clocks and failed CI once.
 
 
-@pytest.mark.slow  # 25-40 s: kept out of the fast tier
+@pytest.mark.slow  # rollout and reward workers, two batches
 def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tiny_model_path, prompts, tokenizer):
     """Dynamic sampling over real rollout and reward workers: two batches hold only groups whose rewards
     differ, drawing more prompts to fill them. The logic is tested on fakes; this is its Ray wiring."""

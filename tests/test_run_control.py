@@ -160,8 +160,9 @@ def test_a_stop_signal_ends_the_run_cleanly(
     activity: str,
 ) -> None:
     """SIGTERM during RL and SIGINT during the warm start end a real `roll train` with the conventional
-    exit code, one line saying what was saved, and no Ray process left; the resume command it names
-    continues the run. Needs a whole run with its own Ray."""
+    exit code, one line saying what was saved, and no Ray process left. Needs a whole run with its own
+    Ray. After SIGTERM the step in progress is finished and checkpointed, and the line names `roll resume`
+    on the run (that command, resuming a run exactly, is test_resume's RLVR test)."""
     out = tmp_path / "run"
     run = start_run(repo_root, out, *overrides)
     wait_for_rows(out / metrics_file, 2, run)
@@ -176,18 +177,10 @@ def test_a_stop_signal_ends_the_run_cleanly(
     assert "Traceback" not in stderr and "SIGTERM received" not in stderr
     rows = assert_valid_metrics(out / metrics_file)
     if activity == "RL step":
-        # The step in progress finished and was saved: resuming loses nothing.
+        # The step in progress finished and was saved (a checkpoint that verifies): resuming loses nothing.
         last = checkpoint.latest_valid(checkpoint.checkpoints_root(out))
         assert last is not None and checkpoint.checkpoint_step(last) == rows[-1]["step"], stderr
         assert f"The last checkpoint is {last}; continue with: roll resume {out}" in line
-        # ... and the command it names continues the run: two more steps, each step logged once.
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        command = [sys.executable, "-m", "roll.cli", "resume", str(out), f"steps={rows[-1]['step'] + 2}"]
-        resumed = subprocess.run(command, cwd=repo_root, env=env, capture_output=True, text=True, timeout=900)
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert f"resumed from {last} after step {rows[-1]['step']}" in resumed.stdout
-        steps = [row["step"] for row in assert_valid_metrics(out / metrics_file)]
-        assert steps == list(range(1, rows[-1]["step"] + 3))
     else:  # the warm start writes no checkpoints
         assert "Nothing was saved" in line
     assert_nothing_left(ray_processes)

@@ -19,9 +19,9 @@ from roll.config.common import TinyModelConfig  # noqa: E402 - after the skips
 from roll.models.loading import end_of_sequence_ids, load_causal_lm, load_tokenizer  # noqa: E402
 from roll.models.tiny import save_tiny_model  # noqa: E402
 from roll.models.tokenizer import IM_END, build_bpe_tokenizer  # noqa: E402
+from roll.rollout.sessions import SessionStore  # noqa: E402
 from roll.serving.app import Limits, build_app  # noqa: E402
 from roll.serving.server import ServerThread  # noqa: E402
-from roll.serving.sessions import SessionStore  # noqa: E402
 from roll.strategies.infer.hf import HFEngine  # noqa: E402
 from roll.strategies.requests import GenerateResult  # noqa: E402
 

@@ -190,7 +190,7 @@ def _our_segments() -> set[str]:
     return set(glob.glob(f"/dev/shm/{PREFIX}*"))
 
 
-@pytest.mark.slow  # a trainer and a rollout worker of its own: about 20 s
+@pytest.mark.slow  # a trainer and a rollout worker of its own
 @pytest.mark.usefixtures("ray_session")
 def test_weight_sync_on_one_node_goes_through_shared_memory_or_falls_back(tiny_model_path, tmp_path):
     """Actor and rollout workers on one node exchange weights through shared memory, or over the collective

@@ -1,6 +1,6 @@
-"""The suite's own rules (README, "Tests"): a slow test says in its docstring what it shows that a shorter
-test cannot, so the next person who wants the suite faster knows what a cut would lose. Tests over 60 s
-that are not marked slow are listed at the end of every run (conftest.py)."""
+"""The suite's own rules (docs/development.md, "The rules"): a slow test says in its docstring what it
+shows that a shorter test cannot, so the next person who wants the suite faster knows what a cut would
+lose. Tests over 60 s that are not marked slow are listed at the end of every run (conftest.py)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,6 @@ def test_every_slow_test_says_why_it_is_long() -> None:
             found += 1
             if not ast.get_docstring(node):
                 undocumented.append(f"{path.name}:{node.lineno} {node.name}")
-    assert found >= 20, found  # the scan sees the slow tests (the README lists them)
+    assert found >= 20, found  # the scan sees the slow tests (docs/development.md describes them)
     listing = "\n".join(undocumented)
     assert not undocumented, f"slow tests without a docstring saying what they show:\n{listing}"

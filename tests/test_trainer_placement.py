@@ -14,7 +14,7 @@ from roll.pipelines.sft import SFTPipeline
 pytestmark = pytest.mark.usefixtures("ray_session", "at_repo_root")
 
 
-@pytest.mark.slow  # 25-40 s: kept out of the fast tier
+@pytest.mark.slow  # a whole SFT pipeline's workers
 def test_sft_ranks_run_on_their_mapped_devices_and_give_them_back(tmp_path) -> None:
     """SFT's two trainer ranks see exactly their mapped logical GPUs, and the run gives the devices back
     at shutdown. It starts a whole SFT pipeline's workers."""

@@ -66,7 +66,7 @@ def start(tiny_model_path: str, world_size: int = 1, **changes: object) -> Clust
     return actor
 
 
-# Two ranks take about 30 s: the fast suite keeps one.
+# Two ranks start a two-process cluster: the fast suite keeps one.
 @pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_loaded_state_trains_on_exactly_like_the_saved_one(
     tiny_model_path: str, batch: Batch, tmp_path: Path, world_size: int

@@ -165,7 +165,7 @@ def run_children(bodies: dict[str, tuple], deadline_s: float) -> dict[str, list[
     """
     # forkserver, not fork: children must not inherit the test process's threads (Ray, gloo). Unlike spawn,
     # torch and this module are imported once, in the server, instead of once per child: on a busy
-    # 2-core machine that is seconds per child.
+    # machine that is seconds per child.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", __name__])
     queue = ctx.Queue()
@@ -218,8 +218,8 @@ class CountingSource:
         return self.tensors
 
 
-# For joining groups and for the happy paths: they finish in well under 1 s, and take seconds on a 2-core
-# machine with every core busy; only a hang would come near this.
+# For joining groups and for the happy paths: they finish in well under a second, and take seconds on a
+# small machine with every core busy; only a hang would come near this.
 TIMEOUT_S = 120.0
 
 

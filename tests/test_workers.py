@@ -56,8 +56,9 @@ def sampled_batch(rollout: Cluster, prompts: PromptSet, pad_id: int, repeats: in
 
 @pytest.fixture(scope="module")
 def one_slot_rollout(tiny_model_path):
-    """Two rollout workers that decode one request at a time, shared by the tests that only generate
-    (each start of two model workers costs seconds of imports)."""
+    """Two rollout workers that decode one request at a time, shared by the module's tests (each start of
+    two model workers costs seconds of imports); the weight-transfer test, which moves their weights, comes
+    after the tests that read weights version 0."""
     spec = RolloutSpec(model=ModelSpec(path=tiny_model_path), max_running_requests=1)
     rollout = Cluster("rollout", RolloutWorker, 2, spec)
     try:
@@ -82,36 +83,6 @@ def test_generate_returns_masked_responses_and_matching_logprobs(one_slot_rollou
     # The sampler's logprobs are the trainer's logprobs of the same tokens.
     recomputed = rollout.compute_logprobs(batch)["logprobs"]
     torch.testing.assert_close(recomputed, batch["rollout_logprobs"], atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.slow  # 25-40 s: kept out of the fast tier
-def test_weight_transfer_makes_rollout_match_trainer(tiny_model_path, prompts):
-    """Two FSDP2 trainer ranks send to two rollout workers in small buckets; afterwards the engines'
-    logprobs equal the trainer's (tolerance 1e-5: the same fp32 weights, bit for bit)."""
-    tokenizer = load_tokenizer(tiny_model_path)
-    actor = Cluster("actor", ActorWorker, 2, actor_spec(tiny_model_path))
-    rollout = Cluster("rollout", RolloutWorker, 2, Holder(ModelSpec(path=tiny_model_path)))
-    try:
-        wait_all(setup_trainer(actor, blocking=False), rollout.setup(blocking=False))
-        sync = WeightSync(actor, rollout, bucket_bytes=4096, timeout_s=120)
-        sync.connect()
-        assert len(sync.plan) > 3, "small buckets: the transfer must span several"
-        batch = sampled_batch(rollout, prompts, tokenizer.pad_token_id)
-        batch["group_index"] = torch.arange(len(batch)) // 2
-        batch["advantages"] = torch.randn(len(batch), 1).expand_as(batch["rollout_logprobs"]).contiguous()
-        before = rollout.compute_logprobs(batch)["logprobs"]
-        actor.train_step(batch)
-        trained = actor.compute_logprobs(batch)["logprobs"]
-        assert not torch.allclose(trained, before, atol=1e-4), "the train step changed nothing"
-
-        stats = sync.sync(version=1)
-        assert stats["bytes"] > 0 and stats["buckets"] == len(sync.plan)
-        torch.testing.assert_close(rollout.compute_logprobs(batch)["logprobs"], trained, atol=1e-5, rtol=1e-5)
-        with pytest.raises(ValueError, match="not newer"):
-            sync.sync(version=1)
-    finally:
-        actor.kill()
-        rollout.kill()
 
 
 def collect_from(rollout: Cluster, rank: int, count: int) -> dict[str, GenerateResult]:
@@ -166,6 +137,37 @@ def test_rollout_worker_serves_groups_on_one_rank_with_version_zero(one_slot_rol
     assert set(running.weight_versions) == {0}
 
 
+@pytest.mark.slow  # two FSDP2 trainer ranks
+def test_weight_transfer_makes_rollout_match_trainer(one_slot_rollout, tiny_model_path, prompts):
+    """Two FSDP2 trainer ranks send to the module's two rollout workers in small buckets; afterwards the
+    engines' logprobs equal the trainer's (tolerance 1e-5: the same fp32 weights, bit for bit). It moves
+    those workers to weights version 1, so it comes after the tests that read version 0."""
+    tokenizer = load_tokenizer(tiny_model_path)
+    actor = Cluster("actor", ActorWorker, 2, actor_spec(tiny_model_path))
+    rollout = one_slot_rollout
+    sync = WeightSync(actor, rollout, bucket_bytes=4096, timeout_s=120)
+    try:
+        setup_trainer(actor)
+        sync.connect()
+        assert len(sync.plan) > 3, "small buckets: the transfer must span several"
+        batch = sampled_batch(rollout, prompts, tokenizer.pad_token_id)
+        batch["group_index"] = torch.arange(len(batch)) // 2
+        batch["advantages"] = torch.randn(len(batch), 1).expand_as(batch["rollout_logprobs"]).contiguous()
+        before = rollout.compute_logprobs(batch)["logprobs"]
+        actor.train_step(batch)
+        trained = actor.compute_logprobs(batch)["logprobs"]
+        assert not torch.allclose(trained, before, atol=1e-4), "the train step changed nothing"
+
+        stats = sync.sync(version=1)
+        assert stats["bytes"] > 0 and stats["buckets"] == len(sync.plan)
+        torch.testing.assert_close(rollout.compute_logprobs(batch)["logprobs"], trained, atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="not newer"):
+            sync.sync(version=1)
+    finally:
+        sync.close()
+        actor.kill()
+
+
 class StuckRolloutWorker(RolloutWorker):
     """Rank 1 stops answering in the middle of a weight transfer."""
 
@@ -206,7 +208,7 @@ def test_stuck_rollout_worker_makes_weight_transfer_time_out(tiny_model_path):
         rollout.kill()
 
 
-@pytest.mark.slow  # two FSDP2 ranks against one: about 20 s
+@pytest.mark.slow  # two FSDP2 ranks against one
 def test_two_rank_fsdp_training_equals_one_rank(tiny_model_path, prompts, tmp_path):
     """2 FSDP2 ranks x half batch == 1 rank x whole batch, losses within 1e-4 over 3 steps, also with
     dynamic micro-batches (a token budget that gives the two ranks different micro-batch counts); the

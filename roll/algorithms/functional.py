@@ -14,8 +14,8 @@ import torch
 Dim = int | tuple[int, ...] | None
 
 # Logits processed at once by the logit helpers (rows x vocab, rounded down to whole rows): bounds the
-# float32 temporaries log-softmax needs to about 128 MB each (220 rows of a 152k vocabulary; 1024 rows
-# made 0.6 GB ones, a third of the logprob pass's peak in benchmarks/train_memory.py).
+# float32 temporaries log-softmax needs to about 128 MB each (220 rows of a 152k vocabulary), small
+# against the rest of the logprob pass's peak (benchmarks/train_memory.py, docs/performance.md).
 _LOGIT_CHUNK_ELEMENTS = 1 << 25
 
 

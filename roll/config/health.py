@@ -6,10 +6,11 @@ agentic example runs (measured: docs/health.md)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Literal
 
 from roll.config.fields import option
+from roll.health import monitor_sections
 
 # ``None``: the section's action is ``health.action``.
 MonitorAction = Literal["warn", "stop"] | None
@@ -179,11 +180,6 @@ class HealthConfig:
     eval_drop: EvalDropConfig = field(
         default_factory=EvalDropConfig, metadata={"help": "Sustained drop of the held-out score."}
     )
-
-
-def monitor_sections(health: HealthConfig) -> dict[str, Any]:
-    """Each monitor's section by name (the name ``roll.health.MONITORS`` registers it under)."""
-    return {f.name: getattr(health, f.name) for f in fields(health) if is_dataclass(getattr(health, f.name))}
 
 
 def check_health(health: HealthConfig) -> list[str]:

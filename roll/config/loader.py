@@ -179,9 +179,11 @@ def _lookup(docs: dict[str, str], key: str, default: str) -> str:
 
 
 def _register_validators() -> None:
+    from roll.config.agentic_checks import validate_agentic
     from roll.config.distill_checks import validate_distill
     from roll.config.dpo_checks import validate_dpo
-    from roll.config.validation import validate_agentic, validate_rlvr, validate_sft
+    from roll.config.rl_checks import validate_rlvr
+    from roll.config.validation import validate_sft
 
     VALIDATORS[RLVRConfig] = validate_rlvr
     VALIDATORS[SFTConfig] = validate_sft

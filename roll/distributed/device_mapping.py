@@ -226,7 +226,7 @@ def validate_plan(roles: Sequence[RoleDevices], num_devices: int | None) -> list
     when the plan is fine. ``num_devices`` is the cluster's device count (None: unknown, not checked).
 
     Colocation, even partial, is allowed: colocated roles time-share devices (asynchronous generation
-    cannot, ``roll.config.validation.check_async_generation``)."""
+    cannot, ``roll.config.rl_checks.check_async_generation``)."""
     problems: list[str] = []
     if num_devices is not None:
         for role in roles:

@@ -17,7 +17,7 @@ RankArgs = list[tuple[tuple, dict]]
 def is_batch(value: Any) -> bool:
     """Whether ``value`` is a ``roll.data.batch.Batch``, without importing torch for the question: a Batch
     exists only once its module is imported, so a process that never holds one (an environment worker)
-    starts without torch's 2 s import."""
+    starts without paying for torch's import."""
     module = sys.modules.get("roll.data.batch")
     return module is not None and isinstance(value, module.Batch)
 

@@ -36,9 +36,8 @@ def start_ray(address: str | None, num_cpus: int | None = None, num_gpus: int | 
 
 
 # Ray starts its workers at niceness 15, so any other busy process on the machine (a compile, another
-# job) takes the cores from the whole run: beside one busy loop per core, a quickstart's workers got 3%
-# of a core each and a step took minutes. The workers are the run's work: they run at the driver's
-# priority. (A cluster that is joined keeps its own setting.)
+# job) takes the cores from the whole run and starves its workers (docs/performance.md). The workers are
+# the run's work: they run at the driver's priority. (A cluster that is joined keeps its own setting.)
 def local_system_config() -> dict:
     """The system config of a Ray this process starts: workers at niceness 0. A new dict on every call,
     since ray.init adds its own keys to the one it is given."""
@@ -47,11 +46,11 @@ def local_system_config() -> dict:
 
 # How long an idle OpenMP thread of a worker spins before it sleeps (libgomp's GOMP_SPINCOUNT, in rounds
 # of a few nanoseconds). The stages of a step run one after another in different worker processes:
-# with libgomp's default (300,000 rounds) the actor's threads were still spinning on both cores when the
-# rollout worker started generating (generate 46 -> 36 ms with no spin). With no spin at all
-# (OMP_WAIT_POLICY=PASSIVE), every parallel region wakes its threads through the kernel, and the
-# quickstart's train step took 43 ms against 27 ms with this short spin, which bridges the gaps inside a
-# forward pass but not those between stages. docs/performance.md has the measurements.
+# with libgomp's default (300,000 rounds) the actor's threads are still spinning on the cores when the
+# rollout worker starts generating, and slow it down. With no spin at all (OMP_WAIT_POLICY=PASSIVE),
+# every parallel region wakes its threads through the kernel, which slows the train step instead. This
+# short spin bridges the gaps inside a forward pass but not those between stages. docs/performance.md
+# has the measurements.
 WORKER_SPIN_COUNT = "10000"
 
 

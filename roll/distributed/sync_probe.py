@@ -105,9 +105,5 @@ def score_after_transfer(
     return {**stats, "probe_logprobs": score(sequences), "probe_s": time.perf_counter() - start}
 
 
-def _largest(differences: torch.Tensor) -> float:
-    return float(differences.abs().max()) if len(differences) else 0.0
-
-
 def _flat(logprobs: Any) -> torch.Tensor:
     return torch.tensor([value for row in logprobs for value in row], dtype=torch.float64)

@@ -36,7 +36,7 @@ from roll.rollout.agent_scheduler import (
 )
 from roll.rollout.backend import RolloutBackend
 from roll.rollout.expert_backend import ExpertBackend
-from roll.serving.sessions import SessionStore
+from roll.rollout.sessions import SessionStore
 from roll.strategies.requests import SamplingParams
 from roll.utils.signals import set_activity
 

@@ -353,8 +353,7 @@ class PolicyPipeline(RunLoop):
         """Reference logprobs, old-policy logprobs and critic values, as needed.
 
         One after another: each worker uses every core of the node, so on a shared CPU two passes at
-        once oversubscribe the threads and take longer than both in turn (measured: 110 ms at once
-        vs 39 ms in turn for reference + old logprobs on 64 samples, docs/algorithms.md)."""
+        once oversubscribe the threads and take longer than both in turn (docs/algorithms.md)."""
         temperature = self.config.rollout.temperature
         # The initial policy: the reference workers, or with LoRA the actor with its adapter switched off.
         if self.uses_reference and self.reference is None:

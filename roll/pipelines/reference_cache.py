@@ -25,7 +25,7 @@ _CHUNK = 1 << 24
 
 def model_fingerprint(path: str | os.PathLike) -> str:
     """A digest of the model directory's config and weight files (names and bytes). Reads every weight
-    file: about 10 s for 15 GB of a 7B model, once per run, against a pass of the model over the data."""
+    file once per run, which is cheap against a pass of the model over the data (docs/dpo.md)."""
     root = Path(path)
     files = sorted(
         p

@@ -14,16 +14,16 @@ brings its own, one deadline for the whole call:
 * On the main thread (a plain Ray actor method, a driver), the work runs in-process under
   ``signal.setitimer``, whose handler raises an exception that math-verify's ``except Exception``
   handlers do not swallow; the timer fires again every ``_REFIRE_S`` until the work stops, in case
-  some library catches it anyway. Overhead: about 10 microseconds per call, against about 1 ms for
-  a typical parse and comparison.
+  some library catches it anyway. Overhead: arming and disarming a timer, small against a typical
+  parse and comparison.
 * On any other thread (a threaded actor, the rollout scheduler) signals cannot be used, and a thread
   cannot be stopped from outside, so the work is sent to a helper process (one per process that uses
   it, started on first use, calls serialised by a lock). The helper applies the same in-process
   deadline on its own main thread, so an ordinary timeout costs nothing more; a helper still busy
   ``_KILL_GRACE_S`` after the deadline (stuck in C code that never checks for signals) is killed and a
-  new one started at once. Overhead: one pickled round trip per call (about 60 microseconds), plus
-  0.3 to 0.5 s to start a helper the first time and after each kill (the replacement starts in the
-  background), and about 60 MB of memory for the helper.
+  new one started at once. Overhead: one pickled round trip per call, plus the start of a helper
+  process the first time and after each kill (the replacement starts in the background), and the
+  helper's memory.
 
 A timeout scores 0 and is counted as ``info["timeout"]``; a response with nothing to extract scores 0
 and is counted as ``info["no_answer"]``.

@@ -4,10 +4,11 @@ An agent program is a function of an OpenAI client and a task (a row of the task
 
     async def run(client: openai.AsyncOpenAI, task: dict) -> float | None
 
-or the same as a plain function taking an ``openai.OpenAI``. Each run gets a client pointed at its own
-session of the endpoint (``roll.serving``), so what the policy samples for it is recorded as token ids.
-It returns its reward, or None when it posted one (``POST /rl/sessions/<id>/reward``) or when
-``env.options.reward`` (a registered reward function) is to score its transcript.
+or the same as a plain function taking an ``openai.OpenAI``. Each run gets a client pointed at its own session
+of the endpoint (``roll.serving``; the record is ``roll.rollout.sessions``), so what the policy samples for it
+is recorded as token ids. It returns its reward, or None when it posted one (``POST
+/rl/sessions/<id>/reward``) or when ``env.options.reward`` (a registered reward function) is to score its
+transcript.
 
 ``AgentRunner`` plays the runs on one asyncio loop in a thread of the driver, each within a wall-time
 bound; a plain function runs on the loop's thread pool (a thread cannot be cancelled: past its bound its

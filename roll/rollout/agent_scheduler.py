@@ -1,12 +1,13 @@
 """The agent scheduler: groups of agent-program runs (``roll.rollout.agent_runs``) instead of env episodes.
 
-Each training task (a seed of ``TaskList``) gets a group of ``group_size`` runs (plus ``redundancy``),
-each with a session of the endpoint (``roll.serving``). The endpoint's engine is this scheduler
-(``submit``, ``await_result``, ``abort``): a run's calls become requests to its group's rollout worker,
-keyed by its session (the engine keeps the KV between its calls), sent and polled by the pumping thread
-like every other request. What a run may set is bounded by the run's sampling: the temperature and top_p
-are always the run's (``rollout.temperature``; greedy in greedy evaluation), so the logprobs the trainer
-recomputes are those of the distribution that sampled; a call may ask for fewer tokens, and more stops.
+Each training task (a seed of ``TaskList``) gets a group of ``group_size`` runs (plus ``redundancy``), each
+with a session of the endpoint (``roll.serving``; the record is ``roll.rollout.sessions``). The endpoint's
+engine is this scheduler (``submit``, ``await_result``, ``abort``): a run's calls become requests to its
+group's rollout worker, keyed by its session (the engine keeps the KV between its calls), sent and polled by
+the pumping thread like every other request. What a run may set is bounded by the run's sampling: the
+temperature and top_p are always the run's (``rollout.temperature``; greedy in greedy evaluation), so the
+logprobs the trainer recomputes are those of the distribution that sampled; a call may ask for fewer tokens,
+and more stops.
 
 - **Groups** and **batches** work as for episodes (``roll.rollout.group_scheduler``): a group is its
   first ``group_size`` runs in start order that did not fail, complete once they all ended; a batch
@@ -17,7 +18,7 @@ recomputes are those of the distribution that sampled; a call may ask for fewer 
   complete is dropped and the next task drawn in its place (``agent/*_frac``, ``rollout/dropped_groups``);
   more than ``max_dropped_groups`` in one step stop the run, naming the agent's last error. A failed
   run is never trained on, and never scored 0.
-- **Samples.** Trajectory-wise, one row per run: the branch of its session (``roll.serving.sessions``)
+- **Samples.** Trajectory-wise, one row per run: the branch of its session (``roll.rollout.sessions``)
   with the most sampled tokens. Its leading tokens up to the first sampled one are the prompt; the rest
   is the response, the sampled tokens trained and every other (tool results, the next user turn, a
   fork's unproven tokens) masked. A run's other branches (a sub-agent's context, an edited history) are
@@ -42,7 +43,7 @@ from roll.data.prompts import PromptSet
 from roll.rollout.agent_runs import AgentOutcome, AgentRunner, TaskList
 from roll.rollout.backend import RolloutBackend
 from roll.rollout.group_scheduler import GroupScheduler, Source
-from roll.serving.sessions import Branch, Session, SessionStore
+from roll.rollout.sessions import Branch, Session, SessionStore
 from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 
 __all__ = [

@@ -4,16 +4,12 @@ gives. (The agentic batch is ``roll.rollout.episode_batch``.)"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from roll.data.batch import Batch
 from roll.data.padding import left_pad, right_pad
 from roll.data.prompts import PromptSet
-
-if TYPE_CHECKING:
-    from roll.rollout.scheduler import PromptGroup
+from roll.rollout.prompt_group import PromptGroup
 
 
 def assemble_batch(groups: list[PromptGroup], prompts: PromptSet, pad_id: int, max_new_tokens: int) -> Batch:

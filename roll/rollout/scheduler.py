@@ -45,10 +45,11 @@ from roll.rollout.group_batch import assemble_batch
 from roll.rollout.group_scheduler import GroupScheduler
 from roll.rollout.lifecycle import Sample, SampleState, stage_seconds
 from roll.rollout.load_balancer import LoadBalancer
+from roll.rollout.prompt_group import PromptGroup
 from roll.rollout.prompt_source import PromptSource
 from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 
-__all__ = ["PromptGroup", "RolloutScheduler", "SchedulerSpec"]
+__all__ = ["RolloutScheduler", "SchedulerSpec"]
 
 S = SampleState
 
@@ -77,41 +78,6 @@ class SchedulerSpec:
     def prompt_budget(self) -> int:
         """Most fresh prompts drawn between two batches."""
         return self.max_prompts_per_step or 8 * self.rollout_batch_size
-
-
-@dataclass
-class PromptGroup:
-    """One drawn prompt and its samples."""
-
-    group_id: int
-    prompt_index: int
-    samples: list[Sample]
-    params: SamplingParams
-    worker: int | None = None
-    submit_version: int = 0  # weights version when its requests were sent
-    kept: bool | None = None  # None until every sample is scored and the filters have spoken
-    fallback: bool = False  # a filtered group that filled a batch once the prompt budget was spent
-
-    @property
-    def resolved(self) -> bool:
-        return self.kept is not None
-
-    @property
-    def ready(self) -> bool:
-        return bool(self.kept)
-
-    @property
-    def item(self) -> int:
-        """What the prompt source drew for it."""
-        return self.prompt_index
-
-    def oldest_version(self) -> int | None:
-        """The oldest weights version any of its tokens came from (submission version while unknown;
-        None while unsent)."""
-        if self.worker is None:
-            return None
-        versions = [v for s in self.samples if s.result for v in s.result.weight_versions]
-        return min(versions, default=self.submit_version)
 
 
 class RolloutScheduler(GroupScheduler):

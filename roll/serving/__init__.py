@@ -1,7 +1,8 @@
 """An OpenAI-compatible endpoint over a rollout engine that records the token ids it samples.
 
-- ``sessions``: each episode's calls as token ids, grown branch by branch; a call whose conversation does
-  not extend a branch forks a new one, and tokens whose sampled origin cannot be proven are never trained.
+- Sessions (``roll.rollout.sessions``, rollout data that the endpoint fills and the agent scheduler reads):
+  each episode's calls as token ids, grown branch by branch; a call whose conversation does not extend a
+  branch forks a new one, and tokens whose sampled origin cannot be proven are never trained.
 - ``chat``: messages to prompt ids through the model's chat template, and tool calls out of its text.
 - ``engine_bridge``: the asyncio side of an ``InferenceEngine``.
 - ``app``: the FastAPI application (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, and

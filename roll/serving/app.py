@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP application (FastAPI).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``; the same under
-``/sessions/<id>/v1`` record each call's token ids in that session (``roll.serving.sessions``);
+``/sessions/<id>/v1`` record each call's token ids in that session (``roll.rollout.sessions``);
 ``POST /rl/sessions`` opens a session (its ``base_url`` is what an agent's client takes), ``GET
 /rl/sessions/<id>`` returns what it recorded, ``POST /rl/sessions/<id>/reward`` (``{"reward": x}``) sets
 its reward, ``DELETE`` closes it.
@@ -22,9 +22,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from roll.rollout.sessions import Session, SessionStore, comparable
 from roll.serving.chat import ChatRenderer, RenderError
 from roll.serving.engine_bridge import EngineBridge
-from roll.serving.sessions import Session, SessionStore, comparable
 from roll.strategies.requests import GenerateResult, SamplingParams
 
 __all__ = ["Limits", "build_app"]

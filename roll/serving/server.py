@@ -64,7 +64,7 @@ def serve_model(path: str | Path, host: str, port: int, name: str | None) -> Non
     checkpoint) on the endpoint, in the foreground until interrupted."""
     import torch
 
-    from roll.models.export import find_trained
+    from roll.export import find_trained
     from roll.models.loading import end_of_sequence_ids, load_causal_lm, load_tokenizer
     from roll.serving import require_serving
     from roll.serving.app import Limits, build_app

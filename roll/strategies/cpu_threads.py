@@ -2,9 +2,8 @@
 
 Below a model width of ``SINGLE_THREAD_DECODE_BELOW_HIDDEN`` a CPU decode step is a chain of tiny
 kernels whose cost is the OpenMP team's hand-offs, not arithmetic, and one thread decodes faster than
-several. Measured on 2 cores, 64 rows x 16 tokens (docs/performance.md): hidden 128, 26 ms on one thread
-against 37 ms on two; hidden 256, 68 against 55; hidden 512, 202 against 146. Training keeps every
-thread: its kernels are wider (every token of the batch at once).
+several; from that width on, more threads win (docs/performance.md has the measurements). Training keeps
+every thread: its kernels are wider (every token of the batch at once).
 """
 
 from __future__ import annotations

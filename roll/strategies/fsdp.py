@@ -15,7 +15,8 @@ import torch
 
 def is_sharded(tensor: torch.Tensor) -> bool:
     """A DTensor (an FSDP2 shard). None exists before ``torch.distributed.tensor`` is imported (sharding
-    imports it), so the check leaves it unimported: it is 0.5 s of every rollout and actor worker's start."""
+    imports it), so the check leaves it unimported: importing it would lengthen every rollout and actor
+    worker's start."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(tensor, module.DTensor)
 
@@ -82,12 +83,3 @@ def unwrapped_class_name(model: torch.nn.Module) -> str:
     if isinstance(model, FSDPModule):
         cls = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
     return cls.__name__
-
-
-def tensor_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes held by ``tensors`` on this rank (a sharded tensor counts its local shard)."""
-    total = 0
-    for t in tensors:
-        local = local_tensor(t)
-        total += local.numel() * local.element_size()
-    return total

@@ -2,8 +2,8 @@
 allocated once and reused by every later offload.
 
 On CUDA the buffers are pinned (page-locked), so the copies run at the link's speed and need no staging
-copy: offloading 5.9 GB into fresh pageable memory took 7.1 s on an H200, into reused pinned buffers 0.16 s
-(docs/gpu.md). A CPU worker has nothing to move.
+copy, and no later offload pays again for allocating host memory, which is what makes a fresh pageable
+copy slow (docs/gpu.md). A CPU worker has nothing to move.
 """
 
 from __future__ import annotations

@@ -51,9 +51,9 @@ def draw(probs: torch.Tensor) -> torch.Tensor:
     """One index per row of ``probs`` [B, V] (non-negative, each row's sum > 0), drawn with probability
     proportional to its entry: by inverse CDF, one uniform number per row from torch's global generator.
 
-    ``torch.multinomial`` does the same but draws random numbers across the whole vocabulary: on 2 CPU
-    cores it took 0.33 s per decode step for 64 rows of a 151,936-token vocabulary, this 0.06 s
-    (benchmarks/generation_memory.py). The running sums are float64, so rounding cannot favour a token.
+    ``torch.multinomial`` does the same but draws random numbers across the whole vocabulary, which
+    made it most of a CPU decode step at a large vocabulary (docs/performance.md,
+    benchmarks/generation_memory.py). The running sums are float64, so rounding cannot favour a token.
     A long row is searched in two levels, blocks of ``_BLOCK`` entries and then the entries of the block
     the point falls in: the same point and the same index as one running sum, without a float64 copy
     of the row."""

@@ -32,6 +32,12 @@ class TrackingContext:
     # Set when the run resumes from a checkpoint that saved the tracker's state.
     resume: TrackerResume | None = None
 
+    def section(self, name: str) -> Any:
+        """The run's ``tracking.<name>`` options, which a backend with options of its own reads."""
+        if self.options is None:
+            raise ValueError(f"the {name} tracking backend reads tracking.{name}: pass Tracker(options=...)")
+        return getattr(self.options, name)
+
 
 @dataclass(frozen=True)
 class TrackerResume:

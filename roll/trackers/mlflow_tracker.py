@@ -86,12 +86,10 @@ class MlflowBackend(TrackingBackend):
 
     def __init__(self, context: TrackingContext) -> None:
         super().__init__(context)
-        from roll.config.common import MlflowConfig
-
         import_extra("mlflow", "mlflow")
         from mlflow.tracking import MlflowClient
 
-        options = context.options.mlflow if context.options is not None else MlflowConfig()
+        options = context.section("mlflow")
         self.client = MlflowClient(tracking_uri=options.tracking_uri)
         saved = context.resume.states.get("mlflow") if context.resume is not None else None
         run = self._reopen(saved["run_id"]) if saved else None

@@ -30,10 +30,8 @@ class WandbBackend(TrackingBackend):
 
     def __init__(self, context: TrackingContext) -> None:
         super().__init__(context)
-        from roll.config.common import WandbConfig
-
         self.wandb = import_extra("wandb", "wandb")
-        self.options = context.options.wandb if context.options is not None else WandbConfig()
+        self.options = context.section("wandb")
         resume = context.resume
         saved = resume.states.get("wandb") if resume is not None else None
         self.run_id: str | None = saved["run_id"] if saved else None

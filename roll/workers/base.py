@@ -26,7 +26,7 @@ class ModelSpec:
 
 # The cores a run's workers may use on each node (default: all of them): set it when other work shares the
 # machine, e.g. two runs, or two test processes, on one. Threads beyond the cores a process really gets make
-# OpenMP's teams wait on descheduled threads (two test processes of whole runs: about 5% slower).
+# OpenMP's teams wait on descheduled threads, which slows every parallel region.
 CPU_THREADS_ENV = "ROLL_CPU_THREADS"
 
 

@@ -5,8 +5,8 @@ rank at a time (``Cluster.call_rank``) with the episodes it placed there.
 Calls run concurrently (``CALLS`` at once): the scheduler sends the steps of whichever turns came back
 together, in calls of their own, and a call lasts as long as its slowest env. Run one at a time, a call
 would also wait for every call sent before it, so one slow env would hold up every episode on its
-worker (``benchmarks/agentic.py`` measured the episode scheduler at 0.78x a lockstep loop that way,
-1.38x with concurrent calls). The pool is safe across calls: they carry distinct episodes."""
+worker, enough to make the episode scheduler slower than a lockstep loop (``benchmarks/agentic.py``,
+docs/agentic.md). The pool is safe across calls: they carry distinct episodes."""
 
 from __future__ import annotations
 

@@ -119,8 +119,8 @@ class TrainerWorker(ModelWorker):
             self.model = shard_model(self.model, compute_dtype if mixed else None)
         self.model.train()
         opt = spec.optimizer
-        # The fused kernel updates every tensor in one pass (quickstart model on CPU: 0.5 ms against 2.4 ms
-        # per step); sharded (DTensor) parameters keep the default implementation.
+        # The fused kernel updates every tensor in one pass instead of a loop of small kernels per tensor
+        # (docs/performance.md); sharded (DTensor) parameters keep the default implementation.
         # Frozen weights (a LoRA base) get no optimizer state: Adam's two moments cost 8 bytes a weight.
         from roll.strategies.fsdp import is_sharded
 
@@ -320,9 +320,9 @@ class TrainerWorker(ModelWorker):
 
     def _state_options(self) -> Any:
         """With LoRA a checkpoint holds the adapter and its optimizer state only: the frozen base is the
-        model the run started from, loaded again from its directory (Qwen2.5-7B at rank 8: 0.24 GB a save,
-        not 46 GB). Loading then sets the adapter alone (not strict); ``dcp.load`` has already checked that
-        all of it is there."""
+        model the run started from, loaded again from its directory (docs/checkpoints.md has the sizes).
+        Loading then sets the adapter alone (not strict); ``dcp.load`` has already checked that all of it
+        is there."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         from roll.strategies.lora import is_lora

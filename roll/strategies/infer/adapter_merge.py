@@ -32,11 +32,6 @@ class AdapterMerger:
     def pending(self) -> bool:
         return bool(self._received)
 
-    @property
-    def base_bytes(self) -> int:
-        """Host memory held by the base copies."""
-        return sum(t.numel() * t.element_size() for t in self._base.values())
-
     def receive(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Keep copies of adapter tensors (the sender's buffers are reused after this returns).
 

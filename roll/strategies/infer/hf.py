@@ -123,8 +123,8 @@ class HFEngine(RequestsHeld, InferenceEngine):
         self._device = torch.device(device) if device is not None else next(model.parameters()).device
         if self._device.type == "cuda":
             # cuDNN's attention (SDPA picks it for bf16/fp16) builds an execution plan for every new shape,
-            # and every decode step has a new KV length: on an H100 with a 0.5B bf16 model the engine made
-            # 13.5 tokens/s at 1 row with it, 50 without (256 rows: 3.3k -> 11.7k; docs/gpu.md).
+            # and every decode step has a new KV length, so with it decoding spends its time planning,
+            # several times slower than without (docs/gpu.md).
             torch.backends.cuda.enable_cudnn_sdp(False)
         self._model = model.to(self._device).eval()
         self._cache_argument = _cache_argument(model)
