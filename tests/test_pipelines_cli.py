@@ -62,9 +62,9 @@ SEVERAL_UPDATES_AND_REWARD_WORKERS = [
 )
 def test_device_mapped_examples_train(example, colocated, extra, repo_root, tmp_path, ray_address):
     """2 training ranks and 2 rollout workers on logical devices (the session Ray declares 4): colocated
-    roles offload between stages (a reference shares the actor's devices too), disaggregated ones never
-    do; weights travel over the transfer group. Placement, offload and the transfer group exist only in a
-    whole multi-rank run."""
+    roles offload between stages, disaggregated ones never do; weights travel over the transfer group.
+    Placement, offload and the transfer group exist only in a whole multi-rank run. (A third role on the
+    same devices adds only calls that move nothing on a CPU; which roles move when is test_roles'.)"""
     out = tmp_path / "run"
     roll_train(
         repo_root,
@@ -75,7 +75,6 @@ def test_device_mapped_examples_train(example, colocated, extra, repo_root, tmp_
         "eval.every_steps=0",
         "eval.max_prompts=16",
         "tracking.backends=[jsonl]",
-        f"algorithm.kl_coef={0.05 if colocated else 0.0}",  # colocated: a reference on the actor's devices
         "actor.micro_batch_tokens=64",
         *extra,
         env={"RAY_ADDRESS": ray_address},
@@ -86,9 +85,7 @@ def test_device_mapped_examples_train(example, colocated, extra, repo_root, tmp_
         assert row["sync/gb_per_s"] > 0
         # Logical devices are CPU memory: offloading moves no bytes, but it must happen when colocated.
         assert ("offload/rollout_bytes" in row) == colocated
-        assert ("offload/actor_bytes" in row) == colocated  # the reference and the actor share devices
-        if colocated:
-            assert row["actor/kl"] >= 0.0  # the reference ran
+        assert ("offload/actor_bytes" in row) == colocated
         assert row["rollout/samples"] == 64  # 8 prompts x 8 samples, no padding: roll plot --x samples
         if extra:
             # Several updates per batch: old logprobs were computed and the ratio can clip.

@@ -4,7 +4,7 @@ and critic) and for SFT. Each step appears once in metrics.jsonl.
 
 The "stopped" run is the finished run's directory with everything after step k removed, as a crash right
 after the checkpoint of step k leaves it; it then resumes with ``resume="latest"``. The runs use the test
-session's Ray, in this process (the first SFT run through a `roll train` process)."""
+session's Ray, in this process."""
 
 from __future__ import annotations
 
@@ -101,23 +101,19 @@ def test_rlvr_resumed_run_matches_the_uninterrupted_one(
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("at_repo_root")
-def test_sft_resumed_run_matches_the_uninterrupted_one(
-    repo_root: Path, tmp_path: Path, ray_address: str
-) -> None:
-    """examples/sft.yaml through `roll train` (its own model, data, schedule and evaluation, and a model
-    plain loading reads), then stopped after step 4 and resumed from its checkpoint: the same metrics as
-    the uninterrupted run. Needs two whole runs. That the SFT pipeline learns (its loss more than halves,
-    held-out rises from 0) is asserted on the quickstart's warm start, the same pipeline
-    (test_quickstart_e2e)."""
-    from test_pipelines_cli import roll_train
+@pytest.mark.usefixtures("ray_session", "at_repo_root")
+def test_sft_resumed_run_matches_the_uninterrupted_one(tmp_path: Path) -> None:
+    """examples/sft.yaml through `roll train` (the command's function, in this process: its own model,
+    data, schedule and evaluation, and a model plain loading reads), then stopped after step 4 and resumed
+    from its checkpoint: the same metrics as the uninterrupted run. Needs two whole runs. That the SFT
+    pipeline learns (its loss more than halves, held-out rises from 0) is asserted on the quickstart's warm
+    start, the same pipeline (test_quickstart_e2e)."""
+    from roll.cli import train
 
     run = ("train.steps=8", "eval.every_steps=4", "eval.max_prompts=32", "checkpoint.every_steps=4")
     run += ("tracking.backends=[jsonl]",)
     finished, stopped = tmp_path / "finished", tmp_path / "stopped"
-    roll_train(
-        repo_root, "examples/sft.yaml", *run, f"output_dir={finished}", env={"RAY_ADDRESS": ray_address}
-    )
+    train("examples/sft.yaml", [*run, f"output_dir={finished}"], resume=None, overwrite=False)
     expected = metrics(finished)
     losses = [row["sft/loss"] for row in expected if "sft/loss" in row]
     assert len(losses) == 8 and losses[-1] < losses[0], losses
