@@ -370,23 +370,22 @@ def test_preflight_refuses_targets_the_model_lacks_listing_its_linear_layers(tmp
 
 
 @pytest.mark.slow
-def test_lora_quickstart_learns_syncing_only_the_adapter(
-    repo_root, tmp_path, quickstart_warm_start, ray_address
-):
-    """`roll train examples/quickstart_lora.yaml`, shortened: GRPO on the adapter raises the held-out
-    score, every sync sends the adapter's bytes and passes the probe, and the run ends with an adapter
-    that `roll export --merge` turns into a model.
+@pytest.mark.usefixtures("ray_session", "at_repo_root")
+def test_lora_quickstart_learns_syncing_only_the_adapter(tmp_path, quickstart_warm_start):
+    """examples/quickstart_lora.yaml, shortened (in this process, on the session's Ray): GRPO on the
+    adapter raises the held-out score, every sync sends the adapter's bytes and passes the probe, and the
+    run's model is its adapter (what `roll export --merge` turns into a model: the export test above).
 
     The run starts from the session's quickstart warm start (conftest's ``quickstart_warm_start``): the
     LoRA example's own warm start is the same SFT (the adapter trains only in RL), so making it again here
     only cost time. The bar (+0.1) sits below every gain 200 steps made from the warm starts of several
     seeds; 100 steps gained too little and too unevenly for any bar (docs/lora.md)."""
-    from test_pipelines_cli import metrics, roll_train
+    from test_pipelines_cli import metrics, train_here
 
     out, n = tmp_path / "run", 200
     overrides = [f"output_dir={out}", f"steps={n}", f"eval.every_steps={n}", "tracking.backends=[jsonl]"]
     overrides += [f"model.path={quickstart_warm_start}", "model.tiny=null", "sft_warm_start=null"]
-    roll_train(repo_root, "examples/quickstart_lora.yaml", *overrides, env={"RAY_ADDRESS": ray_address})
+    train_here("examples/quickstart_lora.yaml", *overrides)
     rows = metrics(out)
     evals = [(row["step"], row["eval/score"]) for row in rows if "eval/score" in row]
     assert [step for step, _ in evals] == [0, n]

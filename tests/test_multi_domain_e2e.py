@@ -1,17 +1,18 @@
-"""End to end through `roll train`: examples/rlvr_multi_domain.yaml (math + countdown + code in the
-sandbox), shortened to two RL steps, routes every domain's samples to its reward and logs every domain's
-metrics and held-out scores."""
+"""End to end, in the test process on the session's Ray: examples/rlvr_multi_domain.yaml (math +
+countdown + code in the sandbox), shortened to two RL steps, routes every domain's samples to its reward
+and logs every domain's metrics and held-out scores."""
 
 from __future__ import annotations
 
 import pytest
-from test_pipelines_cli import metrics, roll_train
+from test_pipelines_cli import metrics, train_here
 
 DOMAINS = ("math", "countdown", "code")
 
 
 @pytest.mark.slow
-def test_the_multi_domain_example_scores_and_logs_every_domain(repo_root, tmp_path, ray_address):
+@pytest.mark.usefixtures("ray_session", "at_repo_root")
+def test_the_multi_domain_example_scores_and_logs_every_domain(tmp_path):
     """Two RL steps from the random model (no warm start): every batch holds the domains in their ratios,
     each domain is scored by its own reward (math-verify on a reward worker, countdown in the controller,
     code in the sandbox on its own reward worker) and every domain's training and held-out metrics reach
@@ -34,8 +35,7 @@ def test_the_multi_domain_example_scores_and_logs_every_domain(repo_root, tmp_pa
         # ranks are tested by test_pipelines_cli's disaggregated run.
         "domains.code.reward_world_size=1",
     ]
-    # On the session's Ray (RAY_ADDRESS), as the other `roll train` tests: no local Ray to start and stop.
-    roll_train(repo_root, "examples/rlvr_multi_domain.yaml", *overrides, env={"RAY_ADDRESS": ray_address})
+    train_here("examples/rlvr_multi_domain.yaml", *overrides)
     rows = metrics(output_dir)
     evals = [row for row in rows if "eval/score" in row]
     assert [row["step"] for row in evals] == [0, 2]

@@ -1,6 +1,9 @@
-"""Short runs of the pipelines through the CLI, covering the paths the quickstart does not take: KL to a
-reference, several PPO mini-batches, several ranks per role, the hybrid engine and a reward failing on a
-worker (the standalone SFT config runs through the CLI in test_resume)."""
+"""Short runs of the pipelines covering the paths the quickstart does not take: several PPO mini-batches,
+several ranks per role, colocated and disaggregated devices, the hybrid engine, and rewards failing on a
+worker or in the controller. The runs that only train run in the test process on the session's Ray
+(``train_here``): a `roll train` process adds its start-up to each. The command's own path, the exit
+codes and messages a user sees, run through `roll train` here (``roll_train``: a failing reward, rows
+missing a field) and in the quickstart, FrozenLake, docs-example and agent-program runs."""
 
 from __future__ import annotations
 
@@ -36,6 +39,14 @@ def roll_train(
     return result
 
 
+def train_here(config: str, *overrides: str) -> None:
+    """The pipeline ``config`` names, run in this process (on the session's Ray; from the repo root)."""
+    from roll.config.loader import load_config
+    from roll.pipelines import run_pipeline
+
+    run_pipeline(load_config(config, list(overrides)))
+
+
 def metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -60,14 +71,14 @@ SEVERAL_UPDATES_AND_REWARD_WORKERS = [
     ],
     ids=["colocated", "disaggregated"],
 )
-def test_device_mapped_examples_train(example, colocated, extra, repo_root, tmp_path, ray_address):
+@pytest.mark.usefixtures("ray_session", "at_repo_root")
+def test_device_mapped_examples_train(example, colocated, extra, tmp_path):
     """2 training ranks and 2 rollout workers on logical devices (the session Ray declares 4): colocated
     roles offload between stages, disaggregated ones never do; weights travel over the transfer group.
     Placement, offload and the transfer group exist only in a whole multi-rank run. (A third role on the
     same devices adds only calls that move nothing on a CPU; which roles move when is test_roles'.)"""
     out = tmp_path / "run"
-    roll_train(
-        repo_root,
+    train_here(
         example,
         f"output_dir={out}",
         "sft_warm_start=null",
@@ -77,7 +88,6 @@ def test_device_mapped_examples_train(example, colocated, extra, repo_root, tmp_
         "tracking.backends=[jsonl]",
         "actor.micro_batch_tokens=64",
         *extra,
-        env={"RAY_ADDRESS": ray_address},
     )
     rows = [row for row in metrics(out) if "time/step_s" in row]
     assert len(rows) == 2
@@ -188,11 +198,11 @@ def test_rows_missing_a_field_the_reward_reads_fail_at_load_naming_file_and_line
 
 
 @pytest.mark.slow
-def test_hybrid_engine_generates_on_the_actor_ranks(repo_root, tmp_path, ray_address):
+@pytest.mark.usefixtures("ray_session", "at_repo_root")
+def test_hybrid_engine_generates_on_the_actor_ranks(tmp_path):
     """rollout.hybrid_engine: no rollout workers and no weight sync; two FSDP actor ranks generate."""
     out = tmp_path / "hybrid"
-    roll_train(
-        repo_root,
+    train_here(
         "examples/quickstart.yaml",
         f"output_dir={out}",
         "sft_warm_start=null",
@@ -202,7 +212,6 @@ def test_hybrid_engine_generates_on_the_actor_ranks(repo_root, tmp_path, ray_add
         "tracking.backends=[jsonl]",
         "rollout.hybrid_engine=true",
         "actor.world_size=2",
-        env={"RAY_ADDRESS": ray_address},
     )
     rows = [row for row in metrics(out) if "time/step_s" in row]
     assert len(rows) == 3
