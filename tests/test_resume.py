@@ -28,14 +28,27 @@ def comparable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if k != "time" and not k.startswith(TIMING)} for row in rows]
 
 
+# The engine/trainer mismatch is rounding (1e-7 here): its exact value follows how a worker's threads split
+# the sums, which a fresh process may do otherwise (with two threads per worker, as `pytest tests/x.py`
+# alone gives them). Engine weights that were not the trained ones would put it above 1e-3.
+ROUNDING = ("rollout/logprob_diff",)
+
+
+def same(key: str, a: object, b: object) -> bool:
+    if key.startswith(ROUNDING) and isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-6
+    return a == b
+
+
 def assert_same_rows(got: list[dict], expected: list[dict]) -> None:
-    """The rows equal but for timings; a failure names each metric that differs, with both values."""
+    """The rows equal but for timings (and rounding); a failure names each metric that differs, with both
+    values."""
     got, expected = comparable(got), comparable(expected)
     differ = [
         (row.get("step"), key, row.get(key), other.get(key))
         for row, other in zip(got, expected)
         for key in sorted(set(row) | set(other))
-        if row.get(key) != other.get(key)
+        if not same(key, row.get(key), other.get(key))
     ]
     assert len(got) == len(expected) and not differ, differ
 
