@@ -460,7 +460,7 @@ class Episode:
         return True
 
 
-def monitor_sections(health: Any) -> dict[str, Any]:
+def monitor_sections(health: HealthConfig) -> dict[str, Any]:
     """Each monitor's section of a ``health`` config by name (the name ``MONITORS`` registers it under):
     its fields that are dataclasses."""
     return {

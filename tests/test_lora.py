@@ -380,12 +380,12 @@ def test_lora_quickstart_learns_syncing_only_the_adapter(tmp_path, quickstart_wa
     LoRA example's own warm start is the same SFT (the adapter trains only in RL), so making it again here
     only cost time. The bar (+0.1) sits below every gain 200 steps made from the warm starts of several
     seeds; 100 steps gained too little and too unevenly for any bar (docs/lora.md)."""
-    from test_pipelines_cli import metrics, train_here
+    from test_pipelines_cli import metrics, train_in_process
 
     out, n = tmp_path / "run", 200
     overrides = [f"output_dir={out}", f"steps={n}", f"eval.every_steps={n}", "tracking.backends=[jsonl]"]
     overrides += [f"model.path={quickstart_warm_start}", "model.tiny=null", "sft_warm_start=null"]
-    train_here("examples/quickstart_lora.yaml", *overrides)
+    train_in_process("examples/quickstart_lora.yaml", *overrides)
     rows = metrics(out)
     evals = [(row["step"], row["eval/score"]) for row in rows if "eval/score" in row]
     assert [step for step, _ in evals] == [0, n]

@@ -5,7 +5,7 @@ and logs every domain's metrics and held-out scores."""
 from __future__ import annotations
 
 import pytest
-from test_pipelines_cli import metrics, train_here
+from test_pipelines_cli import metrics, train_in_process
 
 DOMAINS = ("math", "countdown", "code")
 
@@ -35,7 +35,7 @@ def test_the_multi_domain_example_scores_and_logs_every_domain(tmp_path):
         # ranks are tested by test_pipelines_cli's disaggregated run.
         "domains.code.reward_world_size=1",
     ]
-    train_here("examples/rlvr_multi_domain.yaml", *overrides)
+    train_in_process("examples/rlvr_multi_domain.yaml", *overrides)
     rows = metrics(output_dir)
     evals = [row for row in rows if "eval/score" in row]
     assert [row["step"] for row in evals] == [0, 2]

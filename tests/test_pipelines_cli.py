@@ -1,7 +1,7 @@
 """Short runs of the pipelines covering the paths the quickstart does not take: several PPO mini-batches,
 several ranks per role, colocated and disaggregated devices, the hybrid engine, and rewards failing on a
 worker or in the controller. The runs that only train run in the test process on the session's Ray
-(``train_here``): a `roll train` process adds its start-up to each. The command's own path, the exit
+(``train_in_process``): a `roll train` process adds its start-up to each. The command's own path, the exit
 codes and messages a user sees, run through `roll train` here (``roll_train``: a failing reward, rows
 missing a field) and in the quickstart, FrozenLake, docs-example and agent-program runs."""
 
@@ -39,7 +39,7 @@ def roll_train(
     return result
 
 
-def train_here(config: str, *overrides: str) -> None:
+def train_in_process(config: str, *overrides: str) -> None:
     """The pipeline ``config`` names, run in this process (on the session's Ray; from the repo root)."""
     from roll.config.loader import load_config
     from roll.pipelines import run_pipeline
@@ -78,7 +78,7 @@ def test_device_mapped_examples_train(example, colocated, extra, tmp_path):
     Placement, offload and the transfer group exist only in a whole multi-rank run. (A third role on the
     same devices adds only calls that move nothing on a CPU; which roles move when is test_roles'.)"""
     out = tmp_path / "run"
-    train_here(
+    train_in_process(
         example,
         f"output_dir={out}",
         "sft_warm_start=null",
@@ -202,7 +202,7 @@ def test_rows_missing_a_field_the_reward_reads_fail_at_load_naming_file_and_line
 def test_hybrid_engine_generates_on_the_actor_ranks(tmp_path):
     """rollout.hybrid_engine: no rollout workers and no weight sync; two FSDP actor ranks generate."""
     out = tmp_path / "hybrid"
-    train_here(
+    train_in_process(
         "examples/quickstart.yaml",
         f"output_dir={out}",
         "sft_warm_start=null",

@@ -12,10 +12,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from test_pipelines_cli import metrics, roll_train
-
-from roll.config.loader import load_config
-from roll.pipelines.rlvr import RLVRPipeline
+from test_pipelines_cli import metrics, roll_train, train_in_process
 
 # Recipes that take a code path of their own (group filters and extra prompts, several mini-batches and a
 # sequence-level loss, KL in the reward with one sample per prompt). grpo, dr_grpo and rloo differ from
@@ -23,11 +20,6 @@ from roll.pipelines.rlvr import RLVRPipeline
 # test_algorithm_zoo, and load like every recipe in test_recipes_config. ppo (a critic) runs whole in
 # test_resume, which checks its critic's metrics and saved critic.
 RUN_RECIPES = ["dapo", "gspo", "reinforce_pp"]
-
-
-def train_in_process(config: str, *overrides: str) -> None:
-    """Load ``config`` with ``overrides`` and run its RLVR pipeline here (the caller is at the repo root)."""
-    RLVRPipeline(load_config(config, overrides)).run()
 
 
 # What each recipe must log beyond the common metrics: evidence its algorithm really ran.

@@ -261,8 +261,7 @@ def test_asynchronous_rl_on_vllm_trains_on_samples_a_version_old(tmp_path) -> No
     """``examples/async.yaml`` on vLLM: the rollout worker generates the next step's samples while the
     actor trains, so samples are a version old; the mismatch (rollout/logprob_diff_*) shows that lag, the
     importance weights correct it, and every weight sync still lands."""
-    from test_pipelines_cli import metrics
-    from test_recipes_cli import train_in_process
+    from test_pipelines_cli import metrics, train_in_process
 
     out = tmp_path / "run"
     common = ["steps=4", "sft_warm_start=null", "eval.every_steps=0", "tracking.backends=[jsonl]"]
