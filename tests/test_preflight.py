@@ -128,3 +128,33 @@ def test_evaluation_scores_padding_rows_on_every_worker_then_drops_them() -> Non
     result = evaluate(prompts, generate, score, params=None, batch_size=8, pad_id=0, divisor=3)
     assert seen == [6]
     assert result["eval/score"] == pytest.approx(sum(range(5)) / 5)  # the padding row (i=0) is not counted
+
+
+def test_the_vllm_defaults_start_a_real_models_shape_and_a_cache_too_small_is_named(tmp_path: Path) -> None:
+    """vLLM's context and KV cache against Qwen2.5-0.5B's shape (its config.json alone): the defaults
+    (max_model_len: what the run needs; 0.25 GiB of cache on a CPU) fit a run with 1k-token prompts and
+    4k-token responses; the model's own 32k context does not fit that cache, and more than its positions
+    is refused; on CUDA an unset cache is vLLM's to size from gpu_memory_utilization."""
+    from transformers import Qwen2Config
+
+    from roll.config.rlvr import VLLMConfig
+    from roll.pipelines.engine_preflight import check_vllm_fits
+
+    shape = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2)
+    Qwen2Config(**shape, intermediate_size=4864, max_position_embeddings=32768).save_pretrained(tmp_path)
+    cfg = load_config("examples/quickstart.yaml")  # a real run's lengths, set past the tiny model's check
+    cfg.data.max_prompt_length, cfg.rollout.max_new_tokens = 1024, 4096
+    cfg.model.path, cfg.rollout.engine = str(tmp_path), "vllm"
+    assert check_vllm_fits(cfg, gpus_here=0) == []
+    cfg.rollout.vllm = VLLMConfig(max_model_len=32768)
+    (problem,) = check_vllm_fits(cfg, gpus_here=0)
+    assert problem.startswith("rollout.vllm.kv_cache_gb=0.25 (unset: 0.25 GiB on a CPU) holds 10922 tokens")
+    assert "fewer than one sequence of max_model_len 32768 (rollout.vllm.max_model_len)" in problem
+    assert "raise rollout.vllm.kv_cache_gb to at least 0.75" in problem
+    cfg.rollout.vllm = VLLMConfig(max_model_len=32768, kv_cache_gb=1.0)
+    assert check_vllm_fits(cfg, gpus_here=0) == []
+    cfg.rollout.vllm = VLLMConfig(max_model_len=40000)
+    cfg.actor.device_mapping = [0]
+    cfg.rollout.device_mapping = [1]  # on this machine's GPUs: the cache is sized by vLLM at its start
+    (problem,) = check_vllm_fits(cfg, gpus_here=2)
+    assert "rollout.vllm.max_model_len = 40000 exceeds the model's max_position_embeddings (32768)" in problem

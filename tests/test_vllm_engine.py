@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,14 +41,14 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
         num_attention_heads=2,
         num_key_value_heads=1,
         intermediate_size=128,
-        max_position_embeddings=320,
+        max_position_embeddings=640,
     )
     return str(save_tiny_model(cfg, tmp_path_factory.mktemp("vllm") / "tiny"))
 
 
 @pytest.fixture(scope="module")
 def engine(model_path: str):
-    engine = VLLMEngine(model_path, load_tokenizer(model_path), kv_cache_bytes=64 << 20, max_model_len=320)
+    engine = VLLMEngine(model_path, load_tokenizer(model_path), kv_cache_bytes=64 << 20, max_model_len=640)
     yield engine
     engine.shutdown()
 
@@ -209,17 +211,267 @@ def test_weights_that_do_not_fit_are_refused_before_any_is_copied(engine: VLLMEn
     assert engine.prompt_logprobs([[1, 2, 3, 4]])[0] == before  # nothing changed, still serving
 
 
+def test_a_weight_update_while_a_request_decodes_leaves_no_kv_of_the_old_weights(
+    engine: VLLMEngine, hf: torch.nn.Module
+) -> None:
+    """Asynchronous training and agentic turns update weights while requests decode. A request running
+    across the update, and a new request sharing its prefix of more than two 128-token cache blocks, both
+    sample after the update exactly as the new weights do (teacher-forced): nothing reuses KV computed by
+    the old ones. (vLLM skips a plain cache reset while requests run; before the fix the new request's
+    logprobs were several nats off.)"""
+    prefix = [(i * 5 + 2) % 12 for i in range(300)]
+    reached, resume = threading.Event(), threading.Event()
+    take_output = engine._take_output
+
+    def pause_mid_decode(output, version: int) -> None:
+        # Hold the serving thread (outside vLLM's step, so the update can take the engine) once the long
+        # request has sampled a few tokens: the update lands while it runs, whatever the machine's speed.
+        take_output(output, version)
+        if output.request_id == "running" and len(engine._entries["running"].tokens) >= 8:
+            if not reached.is_set():
+                reached.set()
+                resume.wait(60)
+
+    original = {name: p.clone() for name, p in hf.state_dict().items() if name != "lm_head.weight"}
+    engine._take_output = pause_mid_decode
+    try:
+        engine.submit(GenerateRequest("running", prefix, SamplingParams(max_new_tokens=120, greedy=True)))
+        assert reached.wait(60)
+        torch.manual_seed(3)
+        new = {name: p + 0.05 * torch.randn_like(p) for name, p in original.items()}
+        hf.load_state_dict(new, strict=False)
+        with engine.weight_update(11):
+            engine.load_weights(new)
+        resume.set()
+        del engine._take_output
+        shared = prefix + [1, 2, 3]
+        (fresh,) = run(
+            engine, [GenerateRequest("fresh", shared, SamplingParams(max_new_tokens=4, greedy=True))]
+        ).values()
+        running = engine.await_result("running", 60.0)
+        assert fresh.weight_versions == [11] * len(fresh.token_ids)
+        torch.testing.assert_close(
+            torch.tensor(fresh.logprobs), teacher_forced(hf, shared, fresh.token_ids, 1.0), atol=1e-4, rtol=0
+        )
+        after = running.weight_versions.index(11)  # it spans the update: sampled under both weights
+        assert 8 <= after < len(running.token_ids)
+        expected = teacher_forced(hf, prefix, running.token_ids, 1.0)[after:]
+        torch.testing.assert_close(torch.tensor(running.logprobs[after:]), expected, atol=1e-4, rtol=0)
+    finally:
+        resume.set()
+        engine.__dict__.pop("_take_output", None)
+        engine.load_weights(original, version=12)  # the next tests compare with the saved model
+
+
+def test_a_request_vllm_refuses_fails_alone_and_a_failed_step_leaves_nothing_decoding(
+    engine: VLLMEngine,
+) -> None:
+    """One prompt beyond max_model_len fails with vLLM's reason while its group finishes; a step that
+    fails fails the requests in it, and vLLM is left with none of them decoding."""
+    sampled = SamplingParams(max_new_tokens=8, temperature=1.0)
+    engine.submit_many(
+        [
+            GenerateRequest("ok-1", [1, 2, 3], sampled),
+            GenerateRequest("too-long", [1] * 700, sampled),  # max_model_len is 640
+            GenerateRequest("ok-2", [4, 5], sampled),
+        ]
+    )
+    with pytest.raises(RuntimeError, match="'too-long' failed.*maximum context length is 640"):
+        engine.await_result("too-long", 30.0)
+    for request_id in ("ok-1", "ok-2"):
+        result = engine.await_result(request_id, 30.0)
+        assert len(result.token_ids) > 0 and result.finish_reason in ("stop", "length")
+
+    step = engine._engine.step
+    broken = threading.Event()
+
+    def failing_step():
+        if not broken.is_set():
+            broken.set()
+            raise RuntimeError("injected step failure")
+        return step()
+
+    engine._engine.step = failing_step
+    try:
+        long = SamplingParams(max_new_tokens=300, temperature=1.0)
+        engine.submit_many([GenerateRequest(f"doomed-{i}", [1, 2, 3], long) for i in range(2)])
+        for i in range(2):
+            with pytest.raises(RuntimeError, match=f"'doomed-{i}' failed: injected step failure"):
+                engine.await_result(f"doomed-{i}", 30.0)
+        with engine._engine_lock:
+            assert not engine._engine.has_unfinished_requests()  # aborted inside vLLM, not left decoding
+    finally:
+        del engine._engine.step
+    (after,) = run(engine, [GenerateRequest("after", [1, 2], sampled)]).values()
+    assert len(after.token_ids) > 0  # the engine still serves
+
+
+class RecordedVLLM:
+    """vLLM's engine with its sleep, wake, weight-load, cache-reset and add calls recorded in order (sleep
+    and wake recorded only: vLLM's sleep mode is CUDA-only)."""
+
+    def __init__(self, engine: object) -> None:
+        self.engine, self.calls = engine, []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.engine, name)
+
+    def sleep(self, level: int) -> None:
+        self.calls.append(f"sleep level {level}")
+
+    def wake_up(self, tags: list[str]) -> bool:
+        self.calls.append(f"wake {'+'.join(tags)}")
+        return True
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> object:
+        self.calls.append("load weights")
+        return self.engine.collective_rpc(method, args=args)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        self.calls.append("reset cache")
+        return self.engine.reset_prefix_cache(reset_running_requests=reset_running_requests)
+
+    def add_request(self, request_id: str, *args: object, **kwargs: object) -> None:
+        self.calls.append("probe" if "probe" in request_id else f"request {request_id}")
+        self.engine.add_request(request_id, *args, **kwargs)
+
+
+def test_a_sleeping_engine_wakes_its_weights_takes_the_update_then_wakes_its_cache_and_probes(
+    engine: VLLMEngine, hf: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rollout colocated with the trainer on CUDA: the order of its side of the transaction, with vLLM's
+    calls recorded on this CPU. Generation done, it sleeps (level 1) while the trainer trains; the sync
+    wakes the weights alone, loads the new ones, then wakes the KV cache, resets it and the probe scores
+    the new weights before any request is served. Asleep it refuses requests, and it refuses to sleep
+    over a request that would be lost."""
+    recorded = RecordedVLLM(engine._engine)
+    monkeypatch.setattr(engine, "_engine", recorded)
+    monkeypatch.setattr(engine, "_sleeps", True)
+    greedy = SamplingParams(max_new_tokens=2, greedy=True)
+    run(engine, [GenerateRequest("before", [1, 2, 3], greedy)])
+    engine.release_memory()
+    with pytest.raises(RuntimeError, match="memory is released"):
+        engine.submit(GenerateRequest("asleep", [1, 2], greedy))
+    with pytest.raises(RuntimeError, match="weights are asleep"):
+        engine.load_weights({"model.norm.weight": hf.state_dict()["model.norm.weight"]})
+    engine.reacquire_memory()
+    with engine.weight_update(21):
+        engine.load_weights({name: p for name, p in hf.state_dict().items() if name != "lm_head.weight"})
+    scored = engine.prompt_logprobs([[1, 2, 3, 4]])[0]
+    torch.testing.assert_close(
+        torch.tensor(scored), teacher_forced(hf, [1], [2, 3, 4], 1.0), atol=1e-4, rtol=0
+    )
+    (after,) = run(engine, [GenerateRequest("after", [1, 2, 3], greedy)]).values()
+    assert after.weight_versions == [21, 21]
+    assert recorded.calls == [
+        "request before",
+        "sleep level 1",
+        "wake weights",
+        "load weights",
+        "wake kv_cache",
+        "reset cache",
+        "probe",
+        "request after",
+    ]
+    # Woken without an update (none came): the cache wakes before the next request.
+    recorded.calls.clear()
+    engine.release_memory()
+    engine.reacquire_memory()
+    run(engine, [GenerateRequest("again", [1, 2, 3], greedy)])
+    assert recorded.calls == ["sleep level 1", "wake weights", "wake kv_cache", "request again"]
+    engine.submit(GenerateRequest("unfinished", [1, 2, 3], SamplingParams(max_new_tokens=300)))
+    try:
+        with pytest.raises(RuntimeError, match=r"1 request\(s\) unfinished \(e.g. 'unfinished'\)"):
+            engine.release_memory()
+    finally:
+        engine.abort("unfinished")
+        engine.await_result("unfinished", 30.0)
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_engine_takes_every_weight_update_on_every_shard(
+    model_path: str, hf: torch.nn.Module
+) -> None:
+    """rollout.num_devices_per_worker: 2 gives vLLM tensor_parallel_size 2: its CPU build runs the two
+    shards in worker processes of their own (this machine's CPUs split between them). New weights reach
+    both: the probe and a greedy response score as the new weights do (a shard left on the old ones would
+    move every logprob)."""
+    tp = VLLMEngine(
+        model_path,
+        load_tokenizer(model_path),
+        kv_cache_bytes=64 << 20,
+        max_model_len=640,
+        tensor_parallel_size=2,
+    )
+    try:
+        torch.manual_seed(5)
+        new = {
+            name: p + 0.05 * torch.randn_like(p)
+            for name, p in hf.state_dict().items()
+            if name != "lm_head.weight"
+        }
+        hf.load_state_dict(new, strict=False)
+        with tp.weight_update(3):
+            tp.load_weights(new)
+        prompt = [(i * 7) % 12 for i in range(40)]
+        torch.testing.assert_close(
+            torch.tensor(tp.prompt_logprobs([prompt])[0]),
+            teacher_forced(hf, prompt[:1], prompt[1:], 1.0),
+            atol=1e-4,
+            rtol=0,
+        )
+        (result,) = run(
+            tp, [GenerateRequest("tp", prompt, SamplingParams(max_new_tokens=6, greedy=True))]
+        ).values()
+        assert result.weight_versions == [3] * 6
+        torch.testing.assert_close(
+            torch.tensor(result.logprobs),
+            teacher_forced(hf, prompt, result.token_ids, 1.0),
+            atol=1e-4,
+            rtol=0,
+        )
+    finally:
+        tp.shutdown()
+
+
+def test_roll_serve_with_the_vllm_engine_answers_an_openai_client(
+    model_path: str, hf: torch.nn.Module
+) -> None:
+    """``roll serve DIR --engine vllm`` (the app it builds, in this process): an OpenAI client's completion
+    is vLLM's greedy continuation, the model's argmax at every step."""
+    import openai
+
+    from roll.serving.server import ServerThread, build_served
+
+    app, served, name = build_served(Path(model_path), "policy", "vllm")
+    try:
+        assert type(served).__name__ == "VLLMEngine"
+        with ServerThread(app) as server:
+            client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="-", max_retries=0, timeout=120)
+            completion = client.completions.create(model=name, prompt="1+2=", max_tokens=4, temperature=0)
+    finally:
+        served.shutdown()
+    tokenizer = load_tokenizer(model_path)
+    prompt = tokenizer("1+2=")["input_ids"]
+    assert completion.usage.prompt_tokens == len(prompt)
+    sampled = tokenizer(completion.choices[0].text, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + sampled])).logits[0, len(prompt) - 1 : -1]
+    assert sampled and sampled == logits.argmax(dim=-1).tolist()[: len(sampled)]
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_session", "at_repo_root")
-def test_an_rl_run_on_vllm_syncs_every_step_and_replaces_a_killed_rollout_worker(
+def test_a_colocated_rl_run_on_vllm_syncs_every_step_and_replaces_a_killed_rollout_worker(
     tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The quickstart's RL loop for three steps with its rollout worker on vLLM (in a Ray actor, weights
-    from the trainer through shared memory). The rollout worker is killed (SIGKILL) before step 2: a new
-    one starts its own vLLM engine and takes the trainer's weights, and no step is lost. After every step
-    the sync probe agrees with the trainer, and so do the logprobs vLLM sampled with (the mismatch logged
-    as rollout/logprob_diff_*). A whole run because the worker's setup, the transfer, the probe and the
-    recovery only meet there."""
+    """The quickstart's RL loop for three steps with its rollout worker on vLLM sharing the actor's
+    (logical) device: the stages take turns on it (on a CPU the engine stays resident; on CUDA it would
+    sleep), weights go from the trainer through shared memory. The rollout worker is killed (SIGKILL)
+    before step 2: a new one starts its own vLLM engine on the same device and takes the trainer's
+    weights, and no step is lost. After every step the sync probe agrees with the trainer, and so do the
+    logprobs vLLM sampled with (the mismatch logged as rollout/logprob_diff_*). A whole run because the
+    worker's setup, the colocation, the transfer, the probe and the recovery only meet there."""
     import logging
     import signal
 
@@ -231,6 +483,7 @@ def test_an_rl_run_on_vllm_syncs_every_step_and_replaces_a_killed_rollout_worker
     out = tmp_path / "run"
     overrides = ["rollout.engine=vllm", "steps=3", "sft_warm_start=null", "eval.every_steps=0"]
     overrides += [f"output_dir={out}", "data.eval_path=null", "tracking.backends=[jsonl]"]
+    overrides += ["actor.device_mapping=[0]", "rollout.device_mapping=[0]", "ray.num_gpus=4"]  # colocated
     pipeline = RLVRPipeline(load_config("examples/quickstart.yaml", overrides))
     killed = pipeline.rollout
     step = pipeline.step
@@ -253,6 +506,7 @@ def test_an_rl_run_on_vllm_syncs_every_step_and_replaces_a_killed_rollout_worker
     assert max(row["sync/max_logprob_diff"] for row in steps) < 1e-3
     assert max(row["rollout/logprob_diff_max"] for row in steps) < 1e-3
     assert all(row["rollout/samples"] == 64 for row in steps)
+    assert all("offload/rollout_bytes" in row for row in steps)  # the stages took turns on the device
 
 
 @pytest.mark.slow
@@ -260,7 +514,8 @@ def test_an_rl_run_on_vllm_syncs_every_step_and_replaces_a_killed_rollout_worker
 def test_asynchronous_rl_on_vllm_trains_on_samples_a_version_old(tmp_path) -> None:
     """``examples/async.yaml`` on vLLM: the rollout worker generates the next step's samples while the
     actor trains, so samples are a version old; the mismatch (rollout/logprob_diff_*) shows that lag, the
-    importance weights correct it, and every weight sync still lands."""
+    importance weights correct it, every weight sync still lands, and the rows sampled entirely by the
+    current weights match the trainer (rollout/logprob_diff_current_max)."""
     from test_pipelines_cli import metrics, train_in_process
 
     out = tmp_path / "run"
@@ -275,6 +530,12 @@ def test_asynchronous_rl_on_vllm_trains_on_samples_a_version_old(tmp_path) -> No
     assert all(row["rollout/logprob_diff_mean"] > 1e-4 for row in stale)
     assert all(abs(row["actor/tis_weight_mean"] - 1.0) > 1e-4 for row in stale)
     assert max(row["sync/max_logprob_diff"] for row in rows) < 1e-3
+    # Rows sampled entirely by the weights the actor trains: vLLM's logprobs are the trainer's (no stale
+    # KV, no lag), however stale the rest of the batch is.
+    current = [
+        row["rollout/logprob_diff_current_max"] for row in rows if "rollout/logprob_diff_current_max" in row
+    ]
+    assert len(current) == len(rows) and max(current) < 1e-3, current
 
 
 @pytest.mark.slow
@@ -297,3 +558,26 @@ def test_agentic_episodes_play_on_vllm_and_train_on_what_it_sampled(tmp_path) ->
     assert all(row["episode/turns"] > 1 for row in rows)  # the random policy wanders for several turns
     assert max(row["rollout/logprob_diff_max"] for row in rows) < 1e-3
     assert max(row["sync/max_logprob_diff"] for row in rows) < 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_session", "at_repo_root")
+def test_an_agent_program_trains_on_what_vllm_sampled_through_the_endpoint(tmp_path) -> None:
+    """``examples/agent_calculator.yaml`` (env.name: agent) on vLLM for two steps: the agent's plain
+    openai client reaches vLLM through the endpoint's sessions, and the runs train on the ids and logprobs
+    vLLM sampled (the trainer agrees with them)."""
+    from test_pipelines_cli import metrics
+
+    from roll.config.loader import load_config
+    from roll.pipelines.agent_programs import AgentProgramPipeline
+
+    out = tmp_path / "run"
+    overrides = ["rollout.engine=vllm", "steps=2", "sft_warm_start=null", "eval.every_steps=0"]
+    overrides += ["rollout.rollout_batch_size=2", "rollout.num_return_sequences=2", "eval.seeds=4"]
+    overrides += [f"output_dir={out}", "checkpoint.every_steps=0", "tracking.backends=[jsonl]"]
+    AgentProgramPipeline(load_config("examples/agent_calculator.yaml", overrides)).run()
+    rows = [row for row in metrics(out) if "actor/loss" in row]
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["agent/failed_frac"] == 0 and row["agent/calls"] >= 1, row
+        assert row["rollout/logprob_diff_max"] < 1e-3 and row["sync/max_logprob_diff"] < 1e-3

@@ -58,8 +58,8 @@ def check_inference_engine(cfg: RLVRConfig) -> list[str]:
     if problems:
         return problems
     problems += check_vllm(cfg)
-    usable = INFERENCE_ENGINES.traits(rollout.engine).get("devices_per_worker", 1)
-    if rollout.num_devices_per_worker > usable:
+    usable = INFERENCE_ENGINES.traits(rollout.engine).get("devices_per_worker", 1)  # None: any number
+    if usable is not None and rollout.num_devices_per_worker > usable:
         problems.append(
             f"rollout.num_devices_per_worker={rollout.num_devices_per_worker}: the {rollout.engine} engine "
             f"runs each rollout worker on {usable} device(s) and would leave the others idle; set it to "
@@ -70,8 +70,8 @@ def check_inference_engine(cfg: RLVRConfig) -> list[str]:
 
 def check_vllm(cfg: RLVRConfig) -> list[str]:
     """What the vllm engine cannot do: installed, no truncated sampling (its logprobs would be those of
-    the truncated distribution), and no device shared with another role (vLLM's sleep mode, which
-    colocation would need, is not wired in)."""
+    the truncated distribution), and a ``max_model_len`` that holds the run's longest sequence. (Its KV
+    cache against the model's shape is checked in preflight, which reads the model's config.)"""
     import importlib.util
 
     from roll.strategies.infer.vllm import INSTALL_HINT
@@ -90,14 +90,38 @@ def check_vllm(cfg: RLVRConfig) -> list[str]:
             "or top-p truncation are those of the truncated distribution, not the trainer's; set "
             "rollout.top_k=0 and rollout.top_p=1.0, or rollout.engine=hf"
         )
-    shared = roles_sharing_rollout_devices(cfg)
-    if shared:
+    declared = rollout.vllm.max_model_len if rollout.vllm else None
+    needed, source = longest_sequence(cfg)
+    if declared is not None and declared < needed:
         problems.append(
-            f"rollout.engine=vllm: rollout.device_mapping shares devices with {shared[0]}.device_mapping, "
-            "but releasing vLLM's memory between stages (its sleep mode) is not supported yet; give the "
-            "rollout devices of its own, or set rollout.engine=hf"
+            f"rollout.vllm.max_model_len={declared} is shorter than the run's longest sequence, {source} = "
+            f"{needed}: vLLM would refuse those requests mid-run; raise it to {needed} or unset it"
+        )
+    default_store = RolloutConfig.__dataclass_fields__["prefix_cache_tokens"].default
+    if getattr(cfg, "env", None) is not None and rollout.prefix_cache_tokens != default_store:
+        problems.append(  # (RLVR refuses it for any engine: rl_checks)
+            "rollout.prefix_cache_tokens sizes the hf engine's store of episodes' KV; vLLM keeps prefixes "
+            "in its own KV cache (rollout.vllm.kv_cache_gb or gpu_memory_utilization): remove it"
         )
     return problems
+
+
+def longest_sequence(cfg: RLVRConfig) -> tuple[int, str]:
+    """The most tokens one rollout request of the run holds (prompt + response), and the keys that set
+    it: an agentic episode's context bound, or the longest prompt with the longest response; at least
+    the sync probe's sequences."""
+    from roll.distributed.sync_probe import PROBE_TOKENS
+
+    env = getattr(cfg, "env", None)
+    if env is not None:
+        longest, source = env.max_context_tokens, "env.max_context_tokens"
+    else:
+        longest = cfg.data.max_prompt_length + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
+        source = "data.max_prompt_length + max(rollout.max_new_tokens, eval.max_new_tokens)"
+    probe = PROBE_TOKENS + 1  # vLLM scores a prompt by sampling one token after it
+    if cfg.rollout.sync_probe_sequences and probe > longest:
+        return probe, "the sync probe's sequences and one token (rollout.sync_probe_sequences)"
+    return longest, source
 
 
 def roles_sharing_rollout_devices(cfg: RLVRConfig) -> list[str]:

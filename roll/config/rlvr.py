@@ -24,19 +24,36 @@ from roll.data.domains import DEFAULT_DOMAIN
 class VLLMConfig:
     """Options of the vllm engine (``rollout.engine: vllm``)."""
 
-    kv_cache_gb: float = option(
-        0.25,
+    gpu_memory_utilization: float | None = option(
+        None,
         gt=0,
-        help="The KV cache of each rollout worker in GiB (vLLM's kv_cache_memory_bytes): the most tokens "
-        "held at once are kv_cache_gb / (2 x layers x kv_heads x head_dim x dtype bytes).",
+        le=1,
+        help="On CUDA: the share of each GPU's memory vLLM may take (its option of the same name): the "
+        "weights, activations and CUDA graphs first, the KV cache the rest. Unset: 0.85 on devices of "
+        "its own; 0.5 when colocated, since the trainer's weights are back on the GPU beside vLLM's "
+        "cache while a weight sync is checked. Not read on a CPU, where kv_cache_gb sizes the cache.",
+    )
+    kv_cache_gb: float | None = option(
+        None,
+        gt=0,
+        help="The KV cache of each rollout worker in GiB (vLLM's kv_cache_memory_bytes; on CUDA it "
+        "replaces what gpu_memory_utilization leaves). Unset: 0.25 on a CPU (vLLM would otherwise take "
+        "most of the RAM), gpu_memory_utilization on CUDA. It holds kv_cache_gb / (2 x layers x kv_heads "
+        "x head_dim x dtype bytes) tokens (21.8k for Qwen2.5-0.5B in bf16 at 0.25), checked at load to "
+        "hold one max_model_len sequence.",
     )
     max_model_len: int | None = option(
-        None, gt=0, help="Longest prompt + response vLLM serves. Unset: the model's max_position_embeddings."
+        None,
+        gt=0,
+        help="Longest prompt + response vLLM serves. Unset: what the run needs, data.max_prompt_length + "
+        "the longest max_new_tokens (agentic: env.max_context_tokens), rather than the model's maximum "
+        "(32k for Qwen2.5), whose KV cache need not fit. Checked at load against what the run needs and "
+        "the model's max_position_embeddings.",
     )
-    enforce_eager: bool = option(
-        True,
-        help="No CUDA graphs or torch.compile: start-up in seconds; false captures graphs for faster "
-        "decoding on a GPU (ignored on a CPU).",
+    enforce_eager: bool | None = option(
+        None,
+        help="No CUDA graphs or torch.compile. Unset: false on CUDA (graphs decode faster; start-up takes "
+        "longer), true on a CPU. Not read on a CPU.",
     )
 
 
@@ -58,8 +75,8 @@ class RolloutConfig:
     num_devices_per_worker: int = option(
         1,
         gt=0,
-        help="Devices per rollout worker (model-parallel inference); device_mapping holds whole workers. "
-        "The hf engine uses one.",
+        help="Devices per rollout worker; device_mapping holds whole workers. The vllm engine shards the "
+        "model over them (its tensor_parallel_size); the hf engine uses one.",
     )
     weight_bucket_mb: int = option(
         256, gt=0, help="Weight transfer from the trainer: the size of each broadcast bucket in MiB."

@@ -22,6 +22,7 @@ from roll.config.loader import ConfigError
 from roll.data.columns import ANSWER, merged_columns
 from roll.data.dataset import DatasetError
 from roll.data.prompts import PromptSet, load_datasets, load_prompts
+from roll.pipelines.engine_preflight import check_vllm_fits
 from roll.utils.registry import Registry
 
 # How long the Ray cluster named by ray.address has to accept a connection.
@@ -158,6 +159,7 @@ def preflight(cfg: Any) -> RunInputs:
         check_stop_token_ids(cfg, tokenizer)
         + check_lora_targets(cfg, tokenizer)
         + check_teacher_tokenizer(cfg, tokenizer)
+        + check_vllm_fits(cfg, local_gpu_count())
     )
     if cfg.pipeline == "agentic":  # no dataset: episodes come from the environment
         _refuse(check_chat_template(cfg, tokenizer))

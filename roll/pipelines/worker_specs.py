@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from roll.config.common import ModelConfig
 from roll.config.devices import role_plan
+from roll.config.engine_checks import roles_sharing_rollout_devices
 from roll.config.rlvr import RLVRConfig, VLLMConfig, tis_cap
 from roll.distributed.device_mapping import RoleDevices
 from roll.distributed.sync_probe import ProbeSpec, default_tolerance
@@ -61,11 +62,21 @@ def lora_spec(section: Any) -> LoraSpec | None:
     return from_section(LoraSpec, section, target_modules=tuple(section.target_modules))
 
 
-def engine_options(rollout: Any) -> dict[str, Any]:
-    """The rollout engine's own options: ``rollout.vllm`` (its defaults when unset) for the vllm engine."""
+def engine_options(cfg: RLVRConfig) -> dict[str, Any]:
+    """The rollout engine's own options: for the vllm engine ``rollout.vllm`` (its defaults when unset)
+    with ``max_model_len`` resolved to what the run needs, whether the rollout shares its devices with
+    another role (then vLLM sleeps between generations on CUDA), and the devices each worker shards the
+    model over (vLLM's tensor parallelism)."""
+    from roll.pipelines.engine_preflight import vllm_max_model_len
+
+    rollout = cfg.rollout
     if rollout.engine != "vllm":
         return {}
-    return dataclasses.asdict(rollout.vllm or VLLMConfig())
+    options = dataclasses.asdict(rollout.vllm or VLLMConfig())
+    options["max_model_len"] = vllm_max_model_len(cfg)
+    options["colocated"] = bool(roles_sharing_rollout_devices(cfg))
+    options["tensor_parallel_size"] = rollout.num_devices_per_worker
+    return options
 
 
 def probe_spec(rollout: Any, model: ModelConfig) -> ProbeSpec | None:
@@ -187,9 +198,7 @@ def plan_workers(cfg: RLVRConfig, model_path: str, rows_vary: bool = False) -> W
     return WorkerPlan(
         actor=actor,
         critic=critic,
-        rollout=from_section(
-            RolloutSpec, rollout, model=inference_model, engine_options=engine_options(rollout)
-        ),
+        rollout=from_section(RolloutSpec, rollout, model=inference_model, engine_options=engine_options(cfg)),
         scheduler=from_section(SchedulerSpec, rollout),
         sampling=sampling,
         # An agentic run's greedy turns keep the training turns' budget (its eval section has none).

