@@ -20,6 +20,7 @@ from roll.config.engine_checks import roles_sharing_rollout_devices
 from roll.config.rlvr import RLVRConfig, VLLMConfig, tis_cap
 from roll.distributed.device_mapping import RoleDevices
 from roll.distributed.sync_probe import ProbeSpec, default_tolerance
+from roll.pipelines.engine_preflight import vllm_max_model_len
 from roll.pipelines.onpolicy_distill import onpolicy_teachers, teacher_role
 from roll.pipelines.roles import Role
 from roll.rollout.scheduler import SchedulerSpec
@@ -67,8 +68,6 @@ def engine_options(cfg: RLVRConfig) -> dict[str, Any]:
     with ``max_model_len`` resolved to what the run needs, whether the rollout shares its devices with
     another role (then vLLM sleeps between generations on CUDA), and the devices each worker shards the
     model over (vLLM's tensor parallelism)."""
-    from roll.pipelines.engine_preflight import vllm_max_model_len
-
     rollout = cfg.rollout
     if rollout.engine != "vllm":
         return {}
