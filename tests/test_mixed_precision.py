@@ -69,6 +69,8 @@ def test_bf16_state_resumes_exactly_and_the_saved_model_is_bf16(tiny_model_path,
         actor.save_state(str(tmp_path / "state"))
         expected = [actor.train_step(batch)["loss"] for _ in range(2)]
         actor.save_pretrained(str(tmp_path / "model"))
+        actor.save_pretrained(str(tmp_path / "masters"), "float32")  # what a warm start hands RL
+        masters = {name: local_tensor(p).detach().clone() for name, p in actor.model.named_parameters()}
     with Actor(tiny_model_path, "bfloat16", lr=1e-2) as actor:
         actor.load_state(str(tmp_path / "state"))
         got = [actor.train_step(batch)["loss"] for _ in range(2)]
@@ -81,6 +83,9 @@ def test_bf16_state_resumes_exactly_and_the_saved_model_is_bf16(tiny_model_path,
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype="auto")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.config.architectures == ["Qwen2ForCausalLM"]
+    kept = AutoModelForCausalLM.from_pretrained(tmp_path / "masters", dtype="auto")
+    assert json.loads((tmp_path / "masters" / "config.json").read_text())["dtype"] == "float32"
+    assert all(torch.equal(p, masters[name]) for name, p in kept.named_parameters())  # not rounded
 
 
 def test_a_sync_sends_the_engines_dtype_except_an_adapter(tiny_model_path) -> None:

@@ -158,3 +158,26 @@ def test_the_vllm_defaults_start_a_real_models_shape_and_a_cache_too_small_is_na
     cfg.rollout.device_mapping = [1]  # on this machine's GPUs: the cache is sized by vLLM at its start
     (problem,) = check_vllm_fits(cfg, gpus_here=2)
     assert "rollout.vllm.max_model_len = 40000 exceeds the model's max_position_embeddings (32768)" in problem
+
+
+def test_on_a_gpu_machine_a_real_models_role_without_devices_is_refused(monkeypatch, tmp_path: Path) -> None:
+    """A 7B run whose actor has no device_mapping would train on the CPU for days without a word: refused,
+    naming each key and the opt-out; a tiny model, ray.num_gpus=0 and the hybrid engine's rollout pass."""
+    from roll.pipelines.preflight import check_local_devices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = load_config("examples/quickstart.yaml")
+    assert check_local_devices(cfg) == []  # the tiny model: a demo on the CPU
+    cfg.model.path = str(tmp_path)
+    problems = check_local_devices(cfg)
+    assert [p.split(".device_mapping")[0] for p in problems] == ["actor", "rollout"]
+    assert problems[0] == (
+        "actor.device_mapping is unset on a machine with 2 GPU(s): its model would run on the CPU; set "
+        "actor.device_mapping (e.g. [0]) or, to run on the CPU on purpose, ray.num_gpus=0"
+    )
+    cfg.actor.device_mapping = [0]
+    cfg.rollout.hybrid_engine = True
+    assert check_local_devices(cfg) == []
+    cfg.actor.device_mapping, cfg.ray.num_gpus = None, 0
+    assert check_local_devices(cfg) == []

@@ -33,7 +33,7 @@ class FakeTrainer:
     def kill(self) -> None:
         self.killed = True
 
-    def save_pretrained(self, path: str) -> str:
+    def save_pretrained(self, path: str, dtype: str | None = None) -> str:
         return path
 
 
@@ -86,3 +86,17 @@ def test_a_trainer_lost_before_any_checkpoint_restarts_the_run_on_the_same_rows(
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     assert rows[-1]["recovery/restarts"] == 1
+
+
+def test_the_warm_start_hands_rl_its_float32_weights(monkeypatch) -> None:
+    """The RL warm start saves SFT's float32 master weights (not a copy rounded to model.dtype), so RL's
+    first step starts from what SFT trained; a plain SFT run saves in model.dtype."""
+    from roll.config.loader import load_config
+    from roll.pipelines import sft
+
+    monkeypatch.setattr(sft.SFTPipeline, "__init__", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(sft.SFTPipeline, "run", lambda self: self.saved_dtype)
+    rl = load_config("examples/quickstart.yaml", ["model.dtype=bfloat16"])
+    warm = rl.sft_warm_start
+    assert sft.sft_warm_start(rl, "/models/base", None, None, warm) == "float32"
+    assert sft.SFTPipeline.saved_dtype is None

@@ -228,6 +228,7 @@ def test_two_rank_fsdp_training_equals_one_rank(tiny_model_path, prompts, tmp_pa
         actor = Cluster("actor", ActorWorker, world_size, spec)
         try:
             setup_trainer(actor)
+            loads.extend(actor.loaded())
             losses = [actor.train_step(batch)["loss"] for _ in range(3)]
             if world_size > 1:
                 actor.save_pretrained(str(tmp_path / "saved"))
@@ -235,6 +236,7 @@ def test_two_rank_fsdp_training_equals_one_rank(tiny_model_path, prompts, tmp_pa
         finally:
             actor.kill()
 
+    loads: list[dict] = []
     one_losses, one_logprobs = train(1)
     # Rank 0's rows hold 7 and 9 real tokens, rank 1's 11 and 8: a 16-token budget packs rank 0 into one
     # micro-batch and rank 1 into two, so rank 0 must split its rows to keep in lockstep.
@@ -243,6 +245,11 @@ def test_two_rank_fsdp_training_equals_one_rank(tiny_model_path, prompts, tmp_pa
     assert pytest.approx(one_losses, abs=1e-4) == two_losses
     assert one_losses[-1] < one_losses[0]
     torch.testing.assert_close(one_logprobs, two_logprobs, atol=1e-4, rtol=1e-4)
+    # Sharded loading: each of the two ranks read only its shard from the files, never the whole model.
+    whole = sum(p.numel() * 4 for p in load_causal_lm(tiny_model_path).parameters())
+    assert loads[0] == {"how": "whole", "bytes_read": whole, "reason": "one float32 rank"}
+    assert [load["how"] for load in loads[1:]] == ["sharded", "sharded"]
+    assert all(load["bytes_read"] <= 0.6 * whole for load in loads[1:]), (loads, whole)
 
     saved = load_causal_lm(str(tmp_path / "saved"))
     with torch.no_grad():

@@ -167,6 +167,44 @@ def _from_pretrained(
 ) -> Any:
     """``auto_class.from_pretrained`` with the attention kernel, naming the option when the model's class
     does not offer it."""
+    _prepare_attention(path, attn_implementation)
+    try:
+        return auto_class.from_pretrained(
+            str(path), local_files_only=True, attn_implementation=attn_implementation, **kwargs
+        )
+    except (ImportError, ValueError) as e:
+        named = _attention_error(e, path, attn_implementation)
+        if named is e:
+            raise
+        raise named from e
+
+
+def build_causal_lm(path: str | os.PathLike, attn_implementation: str = "sdpa") -> PreTrainedModel:
+    """The causal LM of ``path``'s config, in float32, its weights initialised but not read (under
+    ``accelerate.init_empty_weights`` they stay on the meta device, for sharded loading)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    _prepare_attention(path, attn_implementation)
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn_implementation, dtype=torch.float32
+        )
+    except (ImportError, ValueError) as e:
+        named = _attention_error(e, path, attn_implementation)
+        if named is e:
+            raise
+        raise named from e
+    try:  # its end-of-sequence ids, as from_pretrained reads them (end_of_sequence_ids)
+        model.generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+    except OSError:
+        pass  # no generation_config.json: the one derived from config.json stays
+    return model
+
+
+def _prepare_attention(path: str | os.PathLike, attn_implementation: str) -> None:
+    """Register ROLL's own attention kernel when asked for, refusing a model it cannot pack."""
     from roll.models import varlen_attention
 
     if attn_implementation == varlen_attention.NAME:
@@ -178,17 +216,16 @@ def _from_pretrained(
                 "layers cannot be packed this way. Use sdpa"
             )
         varlen_attention.register()
-    try:
-        return auto_class.from_pretrained(
-            str(path), local_files_only=True, attn_implementation=attn_implementation, **kwargs
-        )
-    except (ImportError, ValueError) as e:
-        if "attention" not in str(e).lower() and "attn" not in str(e).lower():
-            raise
-        reason = str(e).rstrip(".")
-        raise ValueError(
-            f"model.attn_implementation={attn_implementation} cannot load {path}: {reason}. Use sdpa or eager"
-        ) from e
+
+
+def _attention_error(e: Exception, path: str | os.PathLike, attn_implementation: str) -> Exception:
+    """``e`` itself, or the error naming the option when the attention kernel is what failed."""
+    if "attention" not in str(e).lower() and "attn" not in str(e).lower():
+        return e
+    reason = str(e).rstrip(".")
+    return ValueError(
+        f"model.attn_implementation={attn_implementation} cannot load {path}: {reason}. Use sdpa or eager"
+    )
 
 
 def load_causal_lm(

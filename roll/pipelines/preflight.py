@@ -383,19 +383,41 @@ def check_ray_address(ray_cfg: RayConfig) -> list[str]:
 
 def check_local_devices(cfg: Any) -> list[str]:
     """Device mappings fit the GPUs of this machine when a local Ray will start without ``ray.num_gpus``
-    (a joined cluster's devices are checked as soon as it is joined, before any model loads)."""
+    (a joined cluster's devices are checked as soon as it is joined, before any model loads); and on a
+    machine with GPUs, a real model's role without a mapping is refused rather than left to run on the
+    CPU unasked (``ray.num_gpus: 0`` asks for the CPU)."""
     from roll.config.devices import role_plan
     from roll.distributed.device_mapping import validate_plan
 
-    roles = role_plan(cfg)
-    if (
-        cluster_to_join(cfg.ray) is not None
-        or cfg.ray.num_gpus is not None
-        or all(r.device_mapping is None for r in roles)
-    ):
+    if cluster_to_join(cfg.ray) is not None or cfg.ray.num_gpus is not None:
         return []
+    roles = role_plan(cfg)
     count = local_gpu_count()
-    return validate_plan(roles, count) if count is not None else []
+    if count is None:
+        return []
+    problems = validate_plan(roles, count) if any(r.device_mapping is not None for r in roles) else []
+    return problems + (unmapped_model_roles(cfg, roles, count) if count else [])
+
+
+def unmapped_model_roles(cfg: Any, roles: list[Any], gpus: int) -> list[str]:
+    """A role holding a real model (``model.path``) with no ``device_mapping`` on a machine with ``gpus``
+    GPUs: it would run on the CPU, a 7B model for days, without a word. A tiny model is left on the CPU."""
+    if cfg.model.path is None:
+        return []
+    rollout = getattr(cfg, "rollout", None)
+    skipped = {"rollout"} if rollout is not None and rollout.hybrid_engine else set()
+    from roll.config.devices import TEACHER_PREFIX
+
+    keys = [
+        r.role.replace(TEACHER_PREFIX, "distill.teachers.", 1)
+        for r in roles
+        if r.device_mapping is None and r.role not in skipped
+    ]
+    return [
+        f"{key}.device_mapping is unset on a machine with {gpus} GPU(s): its model would run on the CPU; "
+        f"set {key}.device_mapping (e.g. [0]) or, to run on the CPU on purpose, ray.num_gpus=0"
+        for key in keys
+    ]
 
 
 def local_gpu_count() -> int | None:

@@ -95,7 +95,7 @@ def sft_warm_start(
     """SFT as its own pipeline, part of the RL run of config ``rl``: from the model RL starts with
     (``model``), into ``<output_dir>/sft``, on the actor's devices and ``ranks``, with no checkpoints of
     its own (a resumed run skips it and goes on from ``warm_started_model``). ``sections``: the SFT
-    config's other sections (data, eval, reward). Returns the fine-tuned model's path."""
+    config's other sections (data, eval, reward). Returns the fine-tuned model's path, saved in float32."""
     sft_config = SFTConfig(
         run_name=f"{rl.run_name}-sft",
         output_dir=str(Path(rl.output_dir) / "sft"),
@@ -109,6 +109,9 @@ def sft_warm_start(
         **sections,
     )
     warm = SFTPipeline(sft_config, inputs, "SFT warm-start", overwrite=True, placements=ranks)
+    # RL starts from what SFT trained: its float32 master weights, not a copy rounded to model.dtype (the
+    # engines cast it to the inference dtype as they load it).
+    warm.saved_dtype = "float32"
     return warm.run()
 
 

@@ -42,6 +42,7 @@ class TrainerPipeline(RunLoop):
     trainer_key: str = "train"
     label: str = "SFT"
     saved_as: str = "SFT model"
+    saved_dtype: str | None = None  # the saved model's dtype; None: model.dtype
 
     def __init__(
         self,
@@ -178,6 +179,6 @@ class TrainerPipeline(RunLoop):
             tracker.print(
                 f"{self.label} eval/score {results['eval/score_before']:.3f} -> {metrics['eval/score']:.3f}"
             )
-        path = self.actor.save_pretrained(str(Path(self.config.output_dir) / "model"))
+        path = self.actor.save_pretrained(str(Path(self.config.output_dir) / "model"), self.saved_dtype)
         tracker.print(f"{self.saved_as} saved to {path}")
         return path

@@ -64,6 +64,21 @@ class ActorWorker(TrainerWorker):
     weight_payload: str = FULL  # what a sync sends (roll.strategies.lora.PAYLOADS), set by weight_plan
     probe_sequences: list[list[int]] | None = None  # scored after every sync (set_sync_probe)
 
+    def model_builder(self, spec: ModelSpec) -> Callable[[], torch.nn.Module] | None:
+        """The policy from its config (sharded loading); LoRA's base still loads whole."""
+        if self.config.lora is not None:
+            return None
+        from roll.models.loading import build_causal_lm
+
+        return lambda: build_causal_lm(spec.path, spec.attn_implementation)
+
+    def whole_model_reason(self) -> str:
+        return (
+            "a LoRA actor's base is not loaded by shards yet"
+            if self.config.lora
+            else super().whole_model_reason()
+        )
+
     def load_model(self, spec: ModelSpec) -> torch.nn.Module:
         """The policy; with ``lora`` wrapped by peft, only the adapter trainable."""
         model = super().load_model(spec)

@@ -4,7 +4,9 @@ or token-budget micro-batches, offload between colocated stages, atomic HF-forma
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 import os
 import shutil
@@ -24,6 +26,8 @@ from roll.data.batch import Batch
 from roll.distributed.dispatch import Dispatch, is_max_metric, mean_metrics
 from roll.distributed.worker import register
 from roll.workers.base import ModelSpec, ModelWorker
+
+logger = logging.getLogger("roll")
 
 
 @dataclass
@@ -98,25 +102,36 @@ class TrainerWorker(ModelWorker):
 
     @register(Dispatch.ONE_TO_ALL)
     def setup(self, master_addr: str | None = None, master_port: int | None = None, **_: object) -> None:
-        super().setup()
+        from roll.strategies.sharded_load import checkpoint_index, load_sharded, whole_model_report
+
         spec: TrainerSpec = self.config
         compute_dtype = getattr(torch, spec.model.dtype)
         mixed = compute_dtype != torch.float32
-        if spec.gradient_checkpointing:
-            # Before sharding: FSDP2 then wraps the checkpointed blocks, and non-reentrant recomputation
-            # gathers a block's weights again in backward like any other use of them.
-            # transformers renamed it in 5.x; the old name warns there, and is all that 5.0 has.
-            enable = getattr(self.model, "activation_checkpointing_enable", None)
-            enable = enable or self.model.gradient_checkpointing_enable
-            enable({"use_reentrant": False})
-        if self.world_size > 1 or mixed:
-            from roll.strategies.fsdp import shard_model
-
+        self.set_up_process()
+        sharded = self.world_size > 1 or mixed
+        build = self.model_builder(spec.model) if sharded else None
+        index = checkpoint_index(spec.model.path) if build is not None else None
+        if sharded:
             self._join_process_group(master_addr, master_port)
-            if self.world_size > 1:  # identical starting weights even if loading were nondeterministic
-                for p in self.model.parameters():
-                    dist.broadcast(p.data, src=0)
-            self.model = shard_model(self.model, compute_dtype if mixed else None)
+        if build is not None and index is not None:
+            # Each rank reads only its shard from the files: no rank holds the whole model.
+            self.model, self.load_report = load_sharded(
+                build, spec.model.path, index, self.device, compute_dtype if mixed else None, self._prepare
+            )
+        else:
+            self.model = self.load_model(spec.model)
+            self._prepare(self.model)
+            why = "no safetensors files" if build is not None else self.whole_model_reason()
+            self.load_report = whole_model_report(self.model, why if sharded else "one float32 rank")
+            if sharded:
+                from roll.strategies.fsdp import shard_model
+
+                if self.rank == 0:
+                    logger.info("%s: every rank loads the whole model before sharding (%s)", self.role, why)
+                if self.world_size > 1:  # identical starting weights even if loading were nondeterministic
+                    for p in self.model.parameters():
+                        dist.broadcast(p.data, src=0)
+                self.model = shard_model(self.model, compute_dtype if mixed else None)
         self.model.train()
         opt = spec.optimizer
         # The fused kernel updates every tensor in one pass instead of a loop of small kernels per tensor
@@ -128,6 +143,28 @@ class TrainerWorker(ModelWorker):
         fused = not any(is_sharded(p) for p in trainable)
         self.optimizer = torch.optim.AdamW(trainable, lr=opt.lr, weight_decay=opt.weight_decay, fused=fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(opt))
+
+    def model_builder(self, spec: ModelSpec) -> Callable[[], torch.nn.Module] | None:
+        """What builds this trainer's model from its config alone, for sharded loading; None: it loads
+        the whole model (``whole_model_reason`` says why)."""
+        return None
+
+    def whole_model_reason(self) -> str:
+        return f"the {self.role}'s model is not loaded by shards yet"
+
+    def _prepare(self, model: torch.nn.Module) -> None:
+        """Before sharding: gradient checkpointing (FSDP2 then wraps the checkpointed blocks, and
+        non-reentrant recomputation gathers a block's weights again in backward like any other use)."""
+        if self.config.gradient_checkpointing:
+            # transformers renamed it in 5.x; the old name warns there, and is all that 5.0 has.
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            enable = enable or model.gradient_checkpointing_enable
+            enable({"use_reentrant": False})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def loaded(self) -> dict[str, Any]:
+        """How this rank loaded its model (``roll.strategies.sharded_load.LoadReport``)."""
+        return dataclasses.asdict(self.load_report)
 
     def weights_dtype(self, spec: ModelSpec) -> str:
         """float32 whatever the model computes in: the master weights the optimizer updates (a bf16 weight
@@ -349,11 +386,12 @@ class TrainerWorker(ModelWorker):
         return list(self.optimizer.state.values())
 
     @register(Dispatch.RANK_ZERO)
-    def save_pretrained(self, path: str) -> str | None:
+    def save_pretrained(self, path: str, dtype: str | None = None) -> str | None:
         """Save the whole model and tokenizer in Hugging Face format, atomically: a crash leaves no
         half-written dir. Sharded weights are gathered to rank 0 first (every rank takes part). With LoRA
         the adapter is saved instead, in peft's format, naming its base model (``roll export --merge``
-        writes the merged model)."""
+        writes the merged model). ``dtype``: the saved weights' (default ``model.dtype``; ``float32``
+        keeps the master weights, for a run that trains on from them)."""
         from roll.strategies.fsdp import full_state_dict, unwrapped_class_name
         from roll.strategies.lora import adapter_state, is_lora, save_adapter
 
@@ -363,7 +401,8 @@ class TrainerWorker(ModelWorker):
             return None
         # The model is saved in the dtype it computes in (what the user asked for); checkpoints keep the
         # float32 weights. An adapter stays float32, as peft saves it.
-        dtype = getattr(torch, self.config.model.dtype)
+        saved_dtype = dtype or self.config.model.dtype
+        dtype = getattr(torch, saved_dtype)
         if not lora and dtype != torch.float32:
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         target = Path(path)
@@ -373,7 +412,7 @@ class TrainerWorker(ModelWorker):
             save_adapter(self.model, state, staging)
         else:
             self.model.save_pretrained(staging, state_dict=state)
-            _fix_config(staging, unwrapped_class_name(self.model), self.config.model.dtype)
+            _fix_config(staging, unwrapped_class_name(self.model), saved_dtype)
         self.tokenizer.save_pretrained(staging)
         if target.exists():
             old = target.with_name(f".{target.name}.old.{os.getpid()}")

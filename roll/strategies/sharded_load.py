@@ -1,0 +1,145 @@
+"""Sharded loading: a trained model built with its weights on the meta device, sharded by FSDP2, and each
+rank's shard read straight from the checkpoint's safetensors files, by slice.
+
+No rank ever holds the whole model: a rank allocates its shard (1/N of the float32 weights on N ranks) and
+reads those rows of each tensor from the files (memory-mapped), so loading a 7B model on 8 ranks costs
+each 3.5 GB, not 28. Every rank reads the same files, so the shards agree without a broadcast. Buffers
+that are not in the checkpoint (rotary tables) are built for real while the weights are on the meta
+device, and kept.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from roll.strategies.fsdp import is_sharded, local_tensor, shard_model
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """How a trainer rank loaded its model: ``sharded`` (this module) or ``whole`` (every rank loads the
+    whole model, then shards it), and the bytes of weights it read from the checkpoint."""
+
+    how: str
+    bytes_read: int
+    reason: str = ""  # why a rank loaded the whole model
+
+
+def checkpoint_index(path: str | Path) -> dict[str, Path] | None:
+    """Tensor name -> the safetensors file holding it, or None where the directory has no safetensors
+    files (a ``.bin`` checkpoint keeps the whole-model path)."""
+    from safetensors import safe_open
+
+    directory = Path(path)
+    index_file = directory / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        return {name: directory / file for name, file in weight_map.items()}
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        return None
+    index: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), "pt") as tensors:
+            index.update(dict.fromkeys(tensors.keys(), file))  # noqa: SIM118 - safe_open has no __iter__
+    return index
+
+
+def load_sharded(
+    build: Callable[[], torch.nn.Module],
+    path: str | Path,
+    index: dict[str, Path],
+    device: torch.device,
+    compute_dtype: torch.dtype | None,
+    prepare: Callable[[torch.nn.Module], None] = lambda model: None,
+) -> tuple[torch.nn.Module, LoadReport]:
+    """The model ``build()`` makes (called with its weights on the meta device), ``prepare``d (e.g.
+    gradient checkpointing, before sharding), sharded across the default process group, then each rank's
+    shard read from the files of ``index`` in float32 onto ``device``. Every rank calls this.
+
+    Raises:
+        ValueError: a weight of the model is not in the checkpoint (nothing has been read).
+    """
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = build()
+    # Outside the context: inside it every assignment makes a new meta parameter, so a tied head would
+    # stay a weight of its own.
+    model.tie_weights()
+    names = [name for name, _ in model.named_parameters()]  # tied weights once
+    missing = [name for name in names if name not in index]
+    if missing:
+        raise ValueError(
+            f"{path}: the checkpoint lacks {len(missing)} weight(s) of the model, e.g. {missing[:3]}"
+        )
+    prepare(model)
+    model = shard_model(model, compute_dtype)
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    model.to_empty(device=device)
+    read = 0
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+        for file, group in _by_file(model, index).items():
+            read += _read_shards(file, group)
+    return model, LoadReport("sharded", read)
+
+
+def _by_file(model: torch.nn.Module, index: dict[str, Path]) -> dict[Path, list[tuple[str, torch.Tensor]]]:
+    grouped: dict[Path, list[tuple[str, torch.Tensor]]] = {}
+    for name, param in model.named_parameters():
+        grouped.setdefault(index[name], []).append((name, param))
+    return grouped
+
+
+def _read_shards(file: Path, params: list[tuple[str, torch.Tensor]]) -> int:
+    """Copy each parameter's rows of this rank from ``file``; returns the bytes read."""
+    from safetensors import safe_open
+
+    read = 0
+    with safe_open(str(file), "pt") as tensors:
+        for name, param in params:
+            stored = tensors.get_slice(name)
+            local = local_tensor(param)
+            shape = tuple(stored.get_shape())
+            if shape != tuple(param.shape):
+                raise ValueError(f"{file}: {name} has shape {shape}, the model's is {tuple(param.shape)}")
+            if param.dim() == 0:  # a scalar is never split
+                rows = tensors.get_tensor(name)
+            else:
+                start, stop = _rows(param, local)
+                if stop == start:
+                    continue
+                rows = stored[start:stop]
+            local.copy_(rows)
+            read += rows.numel() * rows.element_size()
+    return read
+
+
+def _rows(param: torch.Tensor, local: torch.Tensor) -> tuple[int, int]:
+    """The rows of dim 0 this rank's shard holds: FSDP2 splits dim 0 as ``torch.chunk`` does (every rank
+    but the last ones ``ceil(rows / ranks)``; the last may hold fewer, or none)."""
+    if not is_sharded(param):
+        return 0, param.shape[0]
+    ranks, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
+    chunk = math.ceil(param.shape[0] / ranks)
+    start = min(rank * chunk, param.shape[0])
+    stop = min(start + chunk, param.shape[0])
+    if local.shape[0] != stop - start:
+        raise RuntimeError(
+            f"{param.shape} on {ranks} ranks: rank {rank} holds {local.shape[0]} rows, not {stop - start}"
+        )
+    return start, stop
+
+
+def whole_model_report(model: torch.nn.Module, reason: str) -> LoadReport:
+    """The report of a rank that loaded the whole model (every weight read)."""
+    read = sum(p.numel() * p.element_size() for p in model.parameters())
+    return LoadReport("whole", read, reason)
