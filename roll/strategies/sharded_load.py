@@ -100,12 +100,14 @@ def _by_file(model: torch.nn.Module, index: dict[str, Path]) -> dict[Path, list[
 
 
 def _read_shards(file: Path, params: list[tuple[str, torch.Tensor]]) -> int:
-    """Copy each parameter's rows of this rank from ``file``; returns the bytes read."""
+    """Copy each parameter's rows of this rank from ``file``; returns the bytes read. The file is mapped
+    once per tensor: the pages a mapping touched count as this process's memory until it is closed, so
+    one mapping over the whole file would hold every shard's pages to the end."""
     from safetensors import safe_open
 
     read = 0
-    with safe_open(str(file), "pt") as tensors:
-        for name, param in params:
+    for name, param in params:
+        with safe_open(str(file), "pt") as tensors:
             stored = tensors.get_slice(name)
             local = local_tensor(param)
             shape = tuple(stored.get_shape())
@@ -120,6 +122,7 @@ def _read_shards(file: Path, params: list[tuple[str, torch.Tensor]]) -> int:
                 rows = stored[start:stop]
             local.copy_(rows)
             read += rows.numel() * rows.element_size()
+            del rows
     return read
 
 
