@@ -80,16 +80,23 @@ def test_preflight_refuses_a_teacher_with_another_tokenizer_and_k_beyond_the_voc
 
 @pytest.mark.slow  # teacher and student workers of a whole run
 def test_a_teacher_equal_to_the_student_gives_zero_divergence_and_no_gradient(
-    tmp_path, tiny_model_path, at_repo_root, ray_session
+    tmp_path, tiny_model_path, at_repo_root, ray_session, capsys
 ):
     """A whole distillation step through teacher and student workers: with the teacher the student itself,
-    the dense divergence and its gradient are zero. Only a run joins the cached teacher pass and the loss."""
+    the dense divergence and its gradient are zero. Only a run joins the cached teacher pass and the loss.
+    On two device-mapped ranks (logical devices) the teacher is sharded and takes its turn on the
+    student's devices, the student offloaded meanwhile (no bytes move on a CPU)."""
     from roll.pipelines import run_pipeline
 
     out = tmp_path / "same"
     # k = the whole vocabulary: the divergence is the dense one, exactly 0 for a teacher equal to the student.
-    run = run_overrides(out, tiny_model_path, tiny_model_path, "distill.top_k=17", "train.steps=1")
+    mapped = ("train.device_mapping=[0,1]", "ray.num_gpus=4")
+    run = run_overrides(out, tiny_model_path, tiny_model_path, "distill.top_k=17", "train.steps=1", *mapped)
     run_pipeline(load_config("examples/distill.yaml", run))
+    assert (
+        "the teacher took its turn on the student's devices: the student was offloaded"
+        in capsys.readouterr().out
+    )
     rows = [row for row in metrics(out) if "distill/divergence" in row]
     assert len(rows) == 1
     # Zero up to float rounding (teacher and student batch the rows differently). AdamW normalises even a

@@ -328,6 +328,23 @@ def test_a_precomputed_reference_trains_exactly_like_a_reference_worker_and_is_r
         online[-1]["rewards/margins"] > 0
         and online[-1]["eval/score"] == online[-1]["eval/rewards/accuracies"]
     )
+    # On two device-mapped ranks (logical devices) the reference is sharded and takes turns with the
+    # actor on its devices: each stage offloads the other (no bytes move on a CPU), and the run logs
+    # what one rank with a whole reference logged.
+    shared = run_dpo(
+        tmp_path,
+        tiny_model_path,
+        "colocated",
+        "reference.source=worker",
+        "actor.device_mapping=[0,1]",
+        "ray.num_gpus=4",
+    )
+    steps = [row for row in shared if "dpo/loss" in row]
+    assert steps and all("offload/actor_bytes" in row and "offload/reference_bytes" in row for row in steps)
+    for a, b in zip(online, shared, strict=True):
+        for key in ("dpo/loss", "rewards/margins", "eval/rewards/margins"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], abs=1e-4), (key, a, b)
 
     files = sorted(cache.iterdir())
     assert len(files) == 2  # the training and the held-out pairs

@@ -205,7 +205,7 @@ def test_fsdp_lora_syncs_the_adapter_and_the_probe_stops_a_sync_that_loaded_noth
     version."""
     from roll.distributed.cluster import Cluster, wait_all
     from roll.distributed.weight_sync import WeightSync
-    from roll.pipelines.common import setup_trainer
+    from roll.pipelines.common import setup_with_rendezvous
     from roll.workers.rollout import RolloutSpec
 
     spec = ActorSpec(
@@ -217,7 +217,7 @@ def test_fsdp_lora_syncs_the_adapter_and_the_probe_stops_a_sync_that_loaded_noth
     actor = Cluster("actor", ActorWorker, 2, spec)
     rollout = Cluster("rollout", NoOpLoadRollout, 1, RolloutSpec(ModelSpec(path=tiny_model_path)))
     try:
-        wait_all(setup_trainer(actor, blocking=False), rollout.setup(blocking=False))
+        wait_all(setup_with_rendezvous(actor, blocking=False), rollout.setup(blocking=False))
         sequences = probe_sequences(len(tokenizer), 4, seed=0)
         probe = SyncProbe(sequences, tolerance=1e-3)
         adapter = WeightSync(actor, rollout, bucket_bytes=4096, timeout_s=120, probe=probe)

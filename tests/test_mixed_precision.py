@@ -88,6 +88,34 @@ def test_bf16_state_resumes_exactly_and_the_saved_model_is_bf16(tiny_model_path,
     assert all(torch.equal(p, masters[name]) for name, p in kept.named_parameters())  # not rounded
 
 
+def test_a_bf16_lora_base_is_held_in_bf16_and_only_the_adapter_has_float32_masters(
+    tiny_model_path, batch
+) -> None:
+    """A frozen base needs no master copy: held in the compute dtype it costs 2 bytes a weight, not 4
+    (a 7B base: 14 GB, not 28), and computes exactly what a float32 base cast to bf16 at each gather
+    did. The adapter's weights and Adam state stay float32, so small updates still land."""
+    from roll.strategies.lora import LoraSpec
+
+    lora = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+    with Actor(tiny_model_path, "bfloat16", lr=1e-2, lora=lora) as actor:
+        params = dict(actor.model.named_parameters())
+        frozen = {local_tensor(p).dtype for p in params.values() if not p.requires_grad}
+        trainable = {local_tensor(p).dtype for p in params.values() if p.requires_grad}
+        base_before = actor.compute_reference_logprobs(batch)["logprobs"]
+        before = weights(actor)
+        actor.train_step(batch)
+        after = weights(actor)
+        state_dtypes = {v.dtype for s in actor.optimizer.state.values() for v in s.values() if v.dim() > 0}
+        base_after = actor.compute_reference_logprobs(batch)["logprobs"]
+    assert frozen == {torch.bfloat16} and trainable == {torch.float32} and state_dtypes == {torch.float32}
+    moved = [n for n in before if not torch.equal(before[n], after[n])]
+    assert moved and all(".lora_" in n for n in moved), moved
+    assert torch.equal(base_before, base_after)  # the base never trains
+    with Actor(tiny_model_path, "bfloat16") as full:  # float32 masters, cast to bf16 for compute
+        expected = full.compute_logprobs(batch)["logprobs"]
+    torch.testing.assert_close(base_before, expected, atol=0, rtol=0)
+
+
 def test_a_sync_sends_the_engines_dtype_except_an_adapter(tiny_model_path) -> None:
     """Weights travel in the inference dtype (rounded once, at the sender; half the bytes)."""
     with Actor(tiny_model_path, "float32", sync_dtype="bfloat16") as actor:

@@ -66,8 +66,9 @@ SEVERAL_UPDATES_AND_REWARD_WORKERS = [
 @pytest.mark.parametrize(
     ("example", "colocated", "extra"),
     [
-        ("examples/colocated.yaml", True, []),
-        ("examples/disaggregated.yaml", False, SEVERAL_UPDATES_AND_REWARD_WORKERS),
+        # The warm start (two steps) trains on the actor's placements, then hands them to RL.
+        ("examples/colocated.yaml", True, ["sft_warm_start.steps=2", "sft_warm_start.batch_size=8"]),
+        ("examples/disaggregated.yaml", False, ["sft_warm_start=null", *SEVERAL_UPDATES_AND_REWARD_WORKERS]),
     ],
     ids=["colocated", "disaggregated"],
 )
@@ -81,7 +82,6 @@ def test_device_mapped_examples_train(example, colocated, extra, tmp_path):
     train_in_process(
         example,
         f"output_dir={out}",
-        "sft_warm_start=null",
         "steps=2",
         "eval.every_steps=0",
         "eval.max_prompts=16",
@@ -97,12 +97,14 @@ def test_device_mapped_examples_train(example, colocated, extra, tmp_path):
         assert ("offload/rollout_bytes" in row) == colocated
         assert ("offload/actor_bytes" in row) == colocated
         assert row["rollout/samples"] == 64  # 8 prompts x 8 samples, no padding: roll plot --x samples
-        if extra:
+        if not colocated:
             # Several updates per batch: old logprobs were computed and the ratio can clip.
             assert row["time/logprobs_s"] > 0.0
             assert 0.0 <= row["actor/clip_frac"] <= 1.0
-    if extra:
+    if not colocated:
         assert "eval/score" in rows[-1]
+    else:
+        assert (out / "sft" / "model" / "config.json").is_file()  # the warm start ran on the placements
     assert (out / "model" / "config.json").is_file()
 
 

@@ -113,3 +113,25 @@ def test_colocated_roles_take_turns_and_each_stage_sums_what_moved() -> None:
     renewed = roles.renew("rollout")  # a lost one's replacement takes its turns on the devices
     assert rollout.killed and renewed.log == ["setup"] and roles.colocation.clusters["rollout"] is renewed
     assert list(roles.clusters()) == ["actor", "rollout", "reward"]
+
+
+def test_a_role_loading_beside_running_ones_waits_for_them_to_offload_and_a_retired_one_hands_back() -> None:
+    """A teacher started after the student (or a trainer restarted beside surviving workers) loads only
+    once the roles already on its devices have moved off; retired, it stops taking turns and the role
+    left alone comes back to the devices."""
+    from roll.distributed.device_mapping import role_devices
+
+    roles = RoleSet({"actor": ROLES["actor"]}, ModelCluster)
+    roles.devices = {name: role_devices(name, [0, 1]) for name in ("actor", "teacher")}
+    roles.set_up(roles.start())
+    actor = roles.get("actor")
+    assert actor.log == ["setup"]  # alone: nothing to take turns with
+    roles.roles = {**roles.roles, "teacher": Role("teacher", object, 2, "teacher spec")}
+    moved = roles.set_up(roles.start())
+    teacher = roles.get("teacher")
+    assert actor.log == ["setup", "offload"] and teacher.log == ["setup"]
+    assert moved == {"offload/actor_bytes": 3.0, "time/offload_s": 0.5}
+    back = roles.retire("teacher")
+    assert teacher.killed and roles.get("teacher") is None and "teacher" not in roles.roles
+    assert actor.log[-1] == "reload" and back == {"offload/actor_bytes": 3.0, "time/offload_s": 0.25}
+    assert not roles.colocation.active  # nothing shares the devices any more

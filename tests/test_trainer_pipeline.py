@@ -12,6 +12,7 @@ import roll.pipelines.trainer_pipeline as shell
 from roll.config import load_config
 from roll.distributed.errors import WorkerError
 from roll.pipelines.preflight import RunInputs
+from roll.pipelines.roles import Role
 from roll.pipelines.trainer_pipeline import TrainerPipeline
 
 
@@ -47,11 +48,15 @@ class RecordingPipeline(TrainerPipeline):
         self.drawn: list[list[int]] = []
         self.started: list[FakeTrainer] = []
 
+    def roles(self) -> dict[str, Role]:
+        return {"actor": Role("actor", FakeTrainer, 1, None, trainer=True)}
+
     def start_workers(self) -> None:
         # The first trainer dies in step 3; the one that replaces it lives.
         trainer = FakeTrainer(die_at_step=3 if not self.started else None)
         self.started.append(trainer)
-        self.workers["actor"] = trainer  # type: ignore[assignment]
+        self.role_set.roles = self.roles()
+        self.role_set.live["actor"] = trainer  # type: ignore[assignment]
 
     def step(self, step: int) -> dict[str, float]:
         indices = self.order.next_indices()

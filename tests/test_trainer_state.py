@@ -14,7 +14,7 @@ from roll.data.batch import Batch
 from roll.distributed.cluster import Cluster, WorkerError
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.worker import register
-from roll.pipelines.common import setup_trainer
+from roll.pipelines.common import setup_with_rendezvous
 from roll.workers.actor import ActorSpec, ActorWorker, CrossEntropySpec, OptimizerSpec
 from roll.workers.base import ModelSpec
 
@@ -62,7 +62,7 @@ def start(tiny_model_path: str, world_size: int = 1, **changes: object) -> Clust
         loss=CrossEntropySpec(),
     )
     actor = Cluster("actor", PoisonableActor, world_size, dataclasses.replace(spec, **changes))
-    setup_trainer(actor)
+    setup_with_rendezvous(actor)
     return actor
 
 

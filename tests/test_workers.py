@@ -18,7 +18,7 @@ from roll.distributed.dispatch import Dispatch
 from roll.distributed.weight_sync import WeightSync, WeightSyncError
 from roll.distributed.worker import register
 from roll.models.loading import load_tokenizer
-from roll.pipelines.common import prompt_batch, response_tensors, setup_trainer
+from roll.pipelines.common import prompt_batch, response_tensors, setup_with_rendezvous
 from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 from roll.workers.actor import ActorSpec, ActorWorker, CrossEntropySpec, OptimizerSpec
 from roll.workers.base import ModelSpec
@@ -147,7 +147,7 @@ def test_weight_transfer_makes_rollout_match_trainer(one_slot_rollout, tiny_mode
     rollout = one_slot_rollout
     sync = WeightSync(actor, rollout, bucket_bytes=4096, timeout_s=120)
     try:
-        setup_trainer(actor)
+        setup_with_rendezvous(actor)
         sync.connect()
         assert len(sync.plan) > 3, "small buckets: the transfer must span several"
         batch = sampled_batch(rollout, prompts, tokenizer.pad_token_id)
@@ -227,7 +227,7 @@ def test_two_rank_fsdp_training_equals_one_rank(tiny_model_path, prompts, tmp_pa
         spec = dataclasses.replace(actor_spec(tiny_model_path), loss=CrossEntropySpec(), **spec_changes)
         actor = Cluster("actor", ActorWorker, world_size, spec)
         try:
-            setup_trainer(actor)
+            setup_with_rendezvous(actor)
             loads.extend(actor.loaded())
             losses = [actor.train_step(batch)["loss"] for _ in range(3)]
             if world_size > 1:
@@ -257,6 +257,37 @@ def test_two_rank_fsdp_training_equals_one_rank(tiny_model_path, prompts, tmp_pa
     torch.testing.assert_close(reloaded, one_logprobs, atol=1e-4, rtol=1e-4)
     config = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForCausalLM"]
+
+
+def test_a_reference_on_two_ranks_holds_half_the_weights_and_scores_as_one(tiny_model_path, prompts):
+    """A reference's ranks shard its weights (FSDP2, no optimizer): each reads half of them from the
+    files, and its logprobs and a teacher's top-k are those of one whole replica."""
+    from roll.workers.reference import ReferenceSpec, ReferenceWorker
+
+    tokenizer = load_tokenizer(tiny_model_path)
+    batch = prompt_batch(prompts, list(range(len(prompts))), tokenizer.pad_token_id)
+    for key, value in response_tensors(tokenizer, ["3", "34", "100", "18"], length=5).items():
+        batch[key] = value
+    spec = ReferenceSpec(ModelSpec(tiny_model_path))
+    one = ReferenceWorker("reference", 0, 1, spec)  # one whole replica, in this process
+    one.setup()
+    one_load, one_logprobs = one.loaded(), one.compute_logprobs(batch)["logprobs"]
+    one_topk = one.topk_logprobs(batch, k=4, tail="extra_class")
+    reference = Cluster("reference", ReferenceWorker, 2, spec)
+    try:
+        setup_with_rendezvous(reference)
+        two_loads, two_logprobs = reference.loaded(), reference.compute_logprobs(batch)["logprobs"]
+        two_topk = reference.topk_logprobs(batch, k=4, tail="extra_class")
+    finally:
+        reference.kill()
+    assert one_load["how"] == "whole" and [load["how"] for load in two_loads] == ["sharded", "sharded"]
+    assert all(load["bytes_read"] <= 0.6 * one_load["bytes_read"] for load in two_loads), two_loads
+    torch.testing.assert_close(two_logprobs, one_logprobs, atol=1e-5, rtol=1e-5)
+    assert two_topk["teacher_indices"].dtype == torch.long
+    assert torch.equal(two_topk["teacher_indices"], one_topk["teacher_indices"])
+    torch.testing.assert_close(
+        two_topk["teacher_logprobs"], one_topk["teacher_logprobs"], atol=1e-5, rtol=1e-5
+    )
 
 
 def test_reward_worker_error_names_role_and_rank():

@@ -36,7 +36,8 @@ class Colocation:
         once."""
         waves: list[list[str]] = [[role for role in setups if role not in self.on_device]]
         for group in self.groups:
-            for index, role in enumerate(group):
+            loading = [role for role in group if role in setups]  # the rest are running already
+            for index, role in enumerate(loading):
                 if index >= len(waves):
                     waves.append([])
                 waves[index].append(role)
@@ -46,7 +47,7 @@ class Colocation:
                 future.get()
             for role in wave:
                 group = next((g for g in self.groups if role in g), None)
-                if group is not None and role != group[-1]:
+                if group is not None and role != [r for r in group if r in setups][-1]:
                     self._move(role, to_device=False, metrics={})
 
     def use(self, *roles: str) -> dict[str, float]:
@@ -63,6 +64,24 @@ class Colocation:
             for role in group:
                 if role in roles and not self.on_device[role]:
                     self._move(role, to_device=True, metrics=metrics)
+        return metrics
+
+    def offload(self, role: str, metrics: dict[str, float] | None = None) -> None:
+        """Move ``role``'s state off the shared devices now (it comes back at its next ``use``)."""
+        self._move(role, to_device=False, metrics=metrics if metrics is not None else {})
+
+    def forget(self, role: str) -> dict[str, float]:
+        """``role`` stopped: it holds nothing on the devices and takes no more turns. A role left alone
+        on its devices comes back to them, as it will not take turns any more; returns what moved."""
+        metrics: dict[str, float] = {}
+        self.clusters.pop(role, None)
+        self.on_device.pop(role, None)
+        groups = [[r for r in group if r != role] for group in self.groups]
+        for group in groups:
+            if len(group) == 1 and not self.on_device[group[0]]:
+                self._move(group[0], to_device=True, metrics=metrics)
+        self.groups = [group for group in groups if len(group) > 1]
+        self.on_device = {r: self.on_device[r] for group in self.groups for r in group}
         return metrics
 
     def _move(self, role: str, to_device: bool, metrics: dict[str, float]) -> None:

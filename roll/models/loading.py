@@ -179,9 +179,11 @@ def _from_pretrained(
         raise named from e
 
 
-def build_causal_lm(path: str | os.PathLike, attn_implementation: str = "sdpa") -> PreTrainedModel:
-    """The causal LM of ``path``'s config, in float32, its weights initialised but not read (under
-    ``accelerate.init_empty_weights`` they stay on the meta device, for sharded loading)."""
+def build_causal_lm(
+    path: str | os.PathLike, attn_implementation: str = "sdpa", dtype: torch.dtype | None = None
+) -> PreTrainedModel:
+    """The causal LM of ``path``'s config, in ``dtype`` (default float32), its weights initialised but not
+    read (under ``accelerate.init_empty_weights`` they stay on the meta device, for sharded loading)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -189,7 +191,7 @@ def build_causal_lm(path: str | os.PathLike, attn_implementation: str = "sdpa") 
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     try:
         model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attn_implementation, dtype=torch.float32
+            config, attn_implementation=attn_implementation, dtype=dtype or torch.float32
         )
     except (ImportError, ValueError) as e:
         named = _attention_error(e, path, attn_implementation)

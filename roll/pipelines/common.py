@@ -71,10 +71,11 @@ def reserve_devices(roles: Sequence[RoleDevices], timeout_s: float) -> DeviceTab
     return table
 
 
-def setup_trainer(actor: Cluster, blocking: bool = True) -> Any:
-    """Run the trainer's ``setup`` on every rank; several ranks first agree on rank 0's rendezvous."""
-    master_addr, master_port = actor.master_address() if actor.world_size > 1 else (None, None)
-    return actor.setup(master_addr=master_addr, master_port=master_port, blocking=blocking)
+def setup_with_rendezvous(cluster: Cluster, blocking: bool = True) -> Any:
+    """Run ``setup`` on every rank of a cluster whose ranks form a process group (a trainer, a sharded
+    reference); several ranks first agree on rank 0's rendezvous."""
+    master_addr, master_port = cluster.master_address() if cluster.world_size > 1 else (None, None)
+    return cluster.setup(master_addr=master_addr, master_port=master_port, blocking=blocking)
 
 
 def prompt_batch(prompts: PromptSet, indices: list[int], pad_id: int) -> Batch:

@@ -18,9 +18,10 @@ import torch
 from roll.data.batch import Batch
 from roll.data.columns import ANSWER
 from roll.data.prompts import PromptSet
-from roll.pipelines.common import prompt_batch, response_tensors, setup_trainer
+from roll.pipelines.common import prompt_batch, response_tensors
 from roll.pipelines.preflight import RunInputs
 from roll.pipelines.reference_cache import cache_file, load_cached, model_fingerprint, save_cached
+from roll.pipelines.roles import Role
 from roll.pipelines.trainer_pipeline import TrainerPipeline
 from roll.pipelines.worker_specs import from_section
 from roll.tracking import Tracker
@@ -38,6 +39,7 @@ class DistillPipeline(TrainerPipeline):
     scores on its devices before the first step, then stops."""
 
     name = label = "distillation"
+    device_roles = ("actor", "teacher")
     saved_as = "student"
 
     def read_inputs(self, inputs: RunInputs) -> None:
@@ -46,7 +48,7 @@ class DistillPipeline(TrainerPipeline):
         # Each split's teacher outputs by row: lists of [T_i, k] ids and [T_i, S] log-probabilities.
         self.teacher: dict[str, dict[str, list[torch.Tensor]]] = {}
 
-    def start_workers(self) -> None:
+    def roles(self) -> dict[str, Role]:
         cfg, train = self.config, self.config.train
         spec = from_section(
             ActorSpec,
@@ -56,9 +58,7 @@ class DistillPipeline(TrainerPipeline):
             loss=from_section(DistillLossSpec, cfg.distill),
             collective_timeout_s=cfg.ray.call_timeout_s,
         )
-        set_activity("starting the student")
-        self.workers["actor"] = self.cluster("actor", ActorWorker, self.world_size, spec)
-        setup_trainer(self.actor)
+        return {"actor": Role("actor", ActorWorker, self.world_size, spec, trainer=True)}
 
     # ----- the teacher's outputs -----------------------------------------------------------------------
 
@@ -91,11 +91,17 @@ class DistillPipeline(TrainerPipeline):
         spec = ReferenceSpec(
             from_section(
                 ModelSpec, cfg.model, path=cfg.teacher.model_path, dtype=cfg.model.inference(), seed=cfg.seed
-            )
+            ),
+            collective_timeout_s=cfg.ray.call_timeout_s,
         )
-        teacher = self.cluster("teacher", ReferenceWorker, cfg.teacher.world_size, spec)
+        # On the student's devices the teacher takes its turn: the student is offloaded while it scores.
+        self.role_set.roles = {
+            **self.role_set.roles,
+            "teacher": Role("teacher", ReferenceWorker, cfg.teacher.world_size, spec),
+        }
+        moved = self.role_set.set_up(self.role_set.start())
+        teacher = self.role_set.get("teacher")
         try:
-            teacher.setup()
             for split, path in paths.items():
                 set_activity(f"scoring the {split} rows with the teacher")
                 rows: PromptSet = splits[split]
@@ -118,11 +124,17 @@ class DistillPipeline(TrainerPipeline):
                 save_cached(path, values)
                 self.teacher[split] = values
         finally:
-            teacher.kill()
+            back = self.role_set.retire("teacher")
         tracker.print(
             f"teacher outputs of {', '.join(paths)} scored in {time.perf_counter() - start:.1f} s and cached "
             f"in {', '.join(map(str, paths.values()))}; the teacher is stopped"
         )
+        if "offload/actor_bytes" in moved:
+            tracker.print(
+                f"the teacher took its turn on the student's devices: the student was offloaded "
+                f"({moved['offload/actor_bytes'] / 1e9:.2f} GB) and reloaded "
+                f"({back.get('offload/actor_bytes', 0.0) / 1e9:.2f} GB)"
+            )
 
     def _fingerprint(self, rows: PromptSet) -> str:
         """The rows' prompt and completion token ids, in order."""

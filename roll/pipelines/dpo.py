@@ -18,9 +18,9 @@ from roll.data.batch import Batch
 from roll.data.padding import left_pad, right_pad
 from roll.data.preferences import PreferenceSet
 from roll.distributed.cluster import Cluster
-from roll.pipelines.common import setup_trainer
 from roll.pipelines.preflight import RunInputs
 from roll.pipelines.reference_cache import cache_file, load_cached, model_fingerprint, save_cached
+from roll.pipelines.roles import Role
 from roll.pipelines.trainer_pipeline import TrainerPipeline
 from roll.pipelines.worker_specs import from_section, lora_spec
 from roll.strategies.hf_forward import REJECTED_IDS, REJECTED_MASK
@@ -44,6 +44,7 @@ class DPOPipeline(TrainerPipeline):
     name = label = "DPO"
     saved_as = "DPO model"
     trainer_key = "actor"
+    device_roles = ("actor", "reference")
 
     def read_inputs(self, inputs: RunInputs) -> None:
         self.train_rows: PreferenceSet = inputs.train
@@ -62,9 +63,9 @@ class DPOPipeline(TrainerPipeline):
 
     @property
     def reference(self) -> Cluster | None:
-        return self.workers.get("reference")
+        return self.role_set.get("reference")
 
-    def start_workers(self) -> None:
+    def roles(self) -> dict[str, Role]:
         cfg, actor = self.config, self.config.actor
         model = from_section(ModelSpec, cfg.model, path=self.model_path, seed=cfg.seed)
         spec = from_section(
@@ -76,15 +77,12 @@ class DPOPipeline(TrainerPipeline):
             lora=lora_spec(actor.lora),
             collective_timeout_s=cfg.ray.call_timeout_s,
         )
-        set_activity("starting the DPO workers")
-        self.workers["actor"] = self.cluster("actor", ActorWorker, self.world_size, spec)
-        if cfg.reference.source == "worker":
-            reference = self.cluster("reference", ReferenceWorker, self.world_size, ReferenceSpec(model))
-            self.workers["reference"] = reference
-            reference.setup(blocking=False)
-        setup_trainer(self.actor)
-        if self.reference is not None:
-            self.reference.setup()
+        roles = {"actor": Role("actor", ActorWorker, self.world_size, spec, trainer=True)}
+        if cfg.reference.source == "worker":  # on the actor's devices, taking turns with it
+            reference = ReferenceSpec(model, collective_timeout_s=cfg.ray.call_timeout_s)
+            ranks = ("reference", ReferenceWorker, self.world_size, reference)
+            roles["reference"] = Role(*ranks, replaceable=True)
+        return roles
 
     # ----- the algorithm -------------------------------------------------------------------------------
 
@@ -123,26 +121,33 @@ class DPOPipeline(TrainerPipeline):
         start = time.perf_counter()
         indices = self.order.next_indices()
         batch = pair_batch(self.train_rows, indices, self.tokenizer.pad_token_id)
-        batch = batch.union(self.reference_logps(batch, "train", indices))
-        metrics = self.actor.train_step(batch.select_keys((*PAIR_FIELDS, *REFERENCE_FIELDS)))
+        moved: dict[str, float] = {}
+        batch = batch.union(self.reference_logps(batch, "train", indices, moved))
+        with self.on_device("actor", metrics=moved):
+            metrics = self.actor.train_step(batch.select_keys((*PAIR_FIELDS, *REFERENCE_FIELDS)))
         out = {k if k.startswith(TRL_PREFIXES) else f"dpo/{k}": v for k, v in metrics.items()}
+        out.update(moved)
         out["dpo/samples"] = len(batch)
         out["time/step_s"] = time.perf_counter() - start
         return out
 
-    def reference_logps(self, batch: Batch, split: str, indices: list[int]) -> Batch:
-        """``ref_chosen_logps`` and ``ref_rejected_logps`` [B] of the pairs ``indices`` of ``split``."""
+    def reference_logps(
+        self, batch: Batch, split: str, indices: list[int], moved: dict[str, float] | None = None
+    ) -> Batch:
+        """``ref_chosen_logps`` and ``ref_rejected_logps`` [B] of the pairs ``indices`` of ``split``;
+        what moved on or off the devices for it is added to ``moved``."""
         if self.config.reference.source == "precomputed":
             cached = self.cached[split]
             return Batch(tensors={key: cached[key][indices] for key in REFERENCE_FIELDS})
-        return self._reference_logps(batch)
+        return self._reference_logps(batch, moved)
 
-    def _reference_logps(self, batch: Batch) -> Batch:
+    def _reference_logps(self, batch: Batch, moved: dict[str, float] | None = None) -> Batch:
         """Scored now: by the reference worker, or by the actor (its base with LoRA, or its current weights
         before the first update, which are the initial policy)."""
         fields = batch.select_keys(PAIR_FIELDS)
         if self.reference is not None:
-            scored = self.reference.pair_logprobs(fields)
+            with self.on_device("reference", metrics=moved):
+                scored = self.reference.pair_logprobs(fields)
         elif self.config.actor.lora is not None:
             scored = self.actor.reference_pair_logprobs(fields)
         else:
@@ -187,16 +192,17 @@ class DPOPipeline(TrainerPipeline):
 
         assert self.eval_pairs is not None
         parts: dict[str, list[torch.Tensor]] = {}
-        offset = 0
-        for batch in self._chunks(self.eval_pairs, self.config.eval.max_pairs):
+        batches = self._chunks(self.eval_pairs, self.config.eval.max_pairs)
+        # The reference's pass over every batch first, then the policy's: one turn each on shared devices.
+        references, offset = [], 0
+        for batch in batches:
             real = batch.meta["real_rows"]
-            indices = list(range(offset, offset + real))
+            references.append(self.reference_logps(batch, "eval", list(range(offset, offset + real))))
             offset += real
-            policy = self.actor.pair_logprobs(batch.select_keys(PAIR_FIELDS))
-            if self.config.reference.source == "precomputed":
-                reference = self.reference_logps(batch, "eval", indices)
-            else:
-                reference = self._reference_logps(batch)
+        with self.on_device("actor"):
+            policies = [self.actor.pair_logprobs(batch.select_keys(PAIR_FIELDS)) for batch in batches]
+        for batch, policy, reference in zip(batches, policies, references):
+            real = batch.meta["real_rows"]
             for key, tensor in (
                 ("chosen", policy["chosen_logps"]),
                 ("rejected", policy["rejected_logps"]),

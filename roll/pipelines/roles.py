@@ -19,7 +19,7 @@ from roll.distributed.colocation import Colocation
 from roll.distributed.device_mapping import RoleDevices, colocation_groups
 from roll.distributed.liveness import Liveness
 from roll.distributed.placement import DeviceTable, RankPlacement, place_role
-from roll.pipelines.common import reserve_devices, setup_trainer
+from roll.pipelines.common import reserve_devices, setup_with_rendezvous
 
 
 def cluster_options(cfg: Any) -> dict[str, Any]:
@@ -120,21 +120,47 @@ class RoleSet:
                 started.add(name)
         return started
 
-    def set_up(self, started: Iterable[str]) -> None:
+    def set_up(self, started: Iterable[str]) -> dict[str, float]:
         """Run the ``setup`` of the roles just ``started`` (a trainer's ranks first agree on a rendezvous).
         Roles that load a model take turns on shared devices: colocated ones load one after another, each
-        offloaded before the next loads (``Colocation.start``); the rest set up at once."""
+        offloaded before the next loads (``Colocation.start``); the rest set up at once. Returns what
+        moved off the devices for them (``offload/<role>_bytes``)."""
         loading = {name: c for name, c in self.clusters().items() if self.roles[name].loads_model}
+        previous, moved = self.colocation.on_device, {}
         self.colocation = Colocation(loading, colocation_groups(list(self.devices.values())))
+        # Roles that kept running make room first for those that load beside them.
+        for group in self.colocation.groups:
+            for name in group:
+                if name not in started and previous.get(name, True) is False:
+                    self.colocation.on_device[name] = False  # offloaded already
+            if any(name in started for name in group):
+                for name in group:
+                    if name not in started and self.colocation.on_device[name]:
+                        self.colocation.offload(name, moved)
         setups = {}
         for name in started:
             cluster = self.live[name]
-            setup = functools.partial(setup_trainer, cluster) if self.roles[name].trainer else cluster.setup
+            setup = self._setup(name, cluster)
             if name in loading:
                 setups[name] = functools.partial(setup, blocking=False)
             else:
                 setup()
         self.colocation.start(setups)
+        return moved
+
+    def _setup(self, name: str, cluster: Cluster) -> Callable[..., Any]:
+        """A role's ``setup``: ranks that form a process group (trainers, sharded references) first agree
+        on a rendezvous."""
+        if getattr(self.roles[name].worker, "joins_process_group", False):
+            return functools.partial(setup_with_rendezvous, cluster)
+        return cluster.setup
+
+    def retire(self, name: str) -> dict[str, float]:
+        """Stop role ``name`` for the rest of the run (a teacher whose outputs are cached): its cluster
+        is killed, and it no longer takes turns on the devices. Returns what moved back onto them."""
+        self.live.pop(name).kill()
+        self.roles = {n: role for n, role in self.roles.items() if n != name}
+        return self.colocation.forget(name)
 
     def take(self, name: str) -> Cluster:
         """A new cluster of role ``name``: its standby if one is waiting."""
@@ -150,9 +176,11 @@ class RoleSet:
     def renew(self, name: str) -> Cluster:
         """``replace`` a lost role's cluster, set up, in the lost one's place in the devices' turns."""
         cluster = self.replace(name)
-        cluster.setup()
+        self._setup(name, cluster)()
         if self.roles[name].loads_model:
             self.colocation.clusters[name] = cluster
+            if name in self.colocation.on_device:
+                self.colocation.on_device[name] = True  # it loaded onto the devices
         return cluster
 
     def fill_standby(self) -> None:

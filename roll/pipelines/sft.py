@@ -12,11 +12,11 @@ from roll.config.sft import SFTConfig
 from roll.data.batch import Batch
 from roll.data.columns import ANSWER
 from roll.data.padding import right_pad
-from roll.pipelines.common import prompt_batch, response_tensors, setup_trainer
+from roll.pipelines.common import prompt_batch, response_tensors
 from roll.pipelines.preflight import RunInputs
+from roll.pipelines.roles import Role
 from roll.pipelines.trainer_pipeline import TrainerPipeline
 from roll.pipelines.worker_specs import from_section
-from roll.utils.signals import set_activity
 from roll.workers.actor import ActorSpec, ActorWorker, CrossEntropySpec, OptimizerSpec
 from roll.workers.base import ModelSpec
 
@@ -44,7 +44,7 @@ class SFTPipeline(TrainerPipeline):
     def read_inputs(self, inputs: RunInputs) -> None:
         self.train_rows, self.eval_prompts = inputs.train, inputs.eval
 
-    def start_workers(self) -> None:
+    def roles(self) -> dict[str, Role]:
         config, train = self.config, self.config.train
         spec = from_section(
             ActorSpec,
@@ -54,9 +54,7 @@ class SFTPipeline(TrainerPipeline):
             loss=CrossEntropySpec(),
             collective_timeout_s=config.ray.call_timeout_s,
         )
-        set_activity(f"starting the {self.name} worker")
-        self.workers["actor"] = self.cluster("actor", ActorWorker, self.world_size, spec)
-        setup_trainer(self.actor)
+        return {"actor": Role("actor", ActorWorker, self.world_size, spec, trainer=True)}
 
     def step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()

@@ -7,6 +7,7 @@ what its algorithm adds: which rows it reads, the workers it starts, its step an
 from __future__ import annotations
 
 import abc
+import dataclasses
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,19 +19,19 @@ from roll.data.dataset import PromptIterator
 from roll.data.prompts import PromptSet
 from roll.distributed.cluster import Cluster
 from roll.distributed.device_mapping import role_devices
-from roll.distributed.placement import place_role
-from roll.pipelines.common import evaluate, init_ray, prepare_model, reserve_devices, write_resolved_config
+from roll.pipelines.common import evaluate, init_ray, prepare_model, write_resolved_config
 from roll.pipelines.preflight import RunInputs, preflight
 from roll.pipelines.recovery import RestartBudget
-from roll.pipelines.roles import cluster_options
+from roll.pipelines.roles import Role, RoleSet, cluster_options
 from roll.pipelines.run_dir import RunDirectory
 from roll.pipelines.run_loop import RunLoop
 from roll.rewards import score_response
 from roll.strategies.requests import SamplingParams
 from roll.tracking import Tracker
+from roll.utils.signals import set_activity
 
 if TYPE_CHECKING:
-    from roll.distributed.placement import DeviceTable, RankPlacement
+    from roll.distributed.placement import RankPlacement
 
 
 class TrainerPipeline(RunLoop):
@@ -40,6 +41,8 @@ class TrainerPipeline(RunLoop):
     lines the run prints and ``saved_as`` names what it saves."""
 
     trainer_key: str = "train"
+    # The roles that may run on the trainer's devices (its ``device_mapping``), taking turns with it.
+    device_roles: tuple[str, ...] = ("actor",)
     label: str = "SFT"
     saved_as: str = "SFT model"
     saved_dtype: str | None = None  # the saved model's dtype; None: model.dtype
@@ -63,18 +66,19 @@ class TrainerPipeline(RunLoop):
         self.read_inputs(inputs)
         self.eval_sampling = SamplingParams(max_new_tokens=config.eval.max_new_tokens, greedy=True)
         self.budget = RestartBudget(config.checkpoint.max_restarts)
-        self.workers: dict[str, Cluster] = {}
-        self.placements = placements
-        self.device_table: DeviceTable | None = None
+        # The run's roles: the trainer and the models that help it (a reference, a teacher), all on the
+        # trainer's devices, taking turns on them with offload as RL's colocated roles do.
+        make = self._on_placements(placements) if placements is not None else None
+        self.role_set = RoleSet({}, make, **cluster_options(config))
         self.order = self.fresh_order()
         self.run_dir = RunDirectory(config.output_dir, resume, overwrite)
         try:
             init_ray(config.ray)
             devices = role_devices(self.trainer_key, self.options.device_mapping, self.options.world_size)
             self.world_size = len(placements) if placements is not None else devices.world_size
-            if placements is None:  # one placement per rank: its reference or teacher takes the same ones
-                table = self.device_table = reserve_devices([devices], config.ray.call_timeout_s)
-                self.placements = place_role(devices, table) if table is not None else None
+            if placements is None:
+                shared = [dataclasses.replace(devices, role=name) for name in self.device_roles]
+                self.role_set.place(shared, config.ray.call_timeout_s)
             write_resolved_config(config, config.output_dir)
             self.model_path = prepare_model(config.model, config.output_dir)
             self.start_workers()
@@ -90,9 +94,9 @@ class TrainerPipeline(RunLoop):
         ``eval_prompts``."""
 
     @abc.abstractmethod
-    def start_workers(self) -> None:
-        """Start the run's workers into ``workers`` (the trained one as ``actor``), each as soon as it
-        exists: a start that fails part-way leaves nothing running after ``shutdown``."""
+    def roles(self) -> dict[str, Role]:
+        """The run's roles by name (the trained one as ``actor``), started and set up by ``start_workers``;
+        each helper role's name must be in ``device_roles``."""
 
     # ----- the shell -----------------------------------------------------------------------------------
 
@@ -107,37 +111,46 @@ class TrainerPipeline(RunLoop):
 
     @property
     def actor(self) -> Cluster:
-        return self.workers["actor"]
+        return self.role_set.get("actor")
 
     def fresh_order(self) -> PromptIterator:
         return PromptIterator(self.train_rows.rows, self.options.batch_size, seed=self.config.seed)
 
-    def cluster(self, role: str, worker: type, world_size: int, spec: object) -> Cluster:
-        """A cluster of ``role`` on the trainer's devices, with the run's timeouts, liveness and plugins."""
-        return Cluster(
-            role, worker, world_size, spec, placements=self.placements, **cluster_options(self.config)
-        )
+    def start_workers(self) -> None:
+        """Start the roles of ``roles()`` that are not running and set them up: colocated ones load one
+        after another, each offloaded before the next (``RoleSet.set_up``)."""
+        set_activity(f"starting the {self.label} workers")
+        self.role_set.roles = self.roles()
+        self.role_set.set_up(self.role_set.start())
+
+    def on_device(self, *names: str, metrics: dict[str, float] | None = None) -> Any:
+        """A stage that uses roles ``names``: they are made resident, the roles colocated with them
+        offloaded (nothing moves when no role shares the trainer's devices)."""
+        return self.role_set.on_device(*names, metrics=metrics)
+
+    def _on_placements(self, placements: list[RankPlacement]) -> Any:
+        """Start each role's ranks on the caller's ``placements`` (an RL warm start on the actor's)."""
+
+        def make(role: Role) -> Cluster:
+            ranks = (role.name, role.worker, role.world_size, role.spec)
+            return Cluster(*ranks, placements=placements, **cluster_options(self.config))
+
+        return make
 
     def clusters(self) -> dict[str, Cluster]:
-        return dict(self.workers)
+        return self.role_set.clusters()
 
     def trainers(self) -> dict[str, Cluster]:
-        return {"actor": self.actor}
+        return self.role_set.trainers()
 
     def shutdown(self) -> None:
-        for cluster in self.workers.values():
-            cluster.kill()
-        self.workers.clear()
-        if self.device_table is not None:  # a table the caller holds stays theirs
-            self.device_table.remove()
-            self.device_table = None
+        """Stop every worker; free the devices placed here (a table the caller holds stays theirs)."""
+        self.role_set.shutdown()
         self.run_dir.release()
 
     def restart_workers(self, lost: dict[str, list[int]]) -> str:
         start = time.perf_counter()
-        for cluster in self.workers.values():
-            cluster.kill()
-        self.workers.clear()
+        self.role_set.stop()
         # A checkpoint, when there is one, then restores the order; without one the run starts over.
         self.order = self.fresh_order()
         self.start_workers()
@@ -152,16 +165,17 @@ class TrainerPipeline(RunLoop):
     def task_score(self, prompts: PromptSet) -> dict[str, float]:
         """``eval/score``: the trained model's greedy answers to ``prompts`` scored by ``reward``."""
         cfg = self.config
-        return evaluate(
-            prompts,
-            generate=lambda batch, params: self.actor.generate(batch, params),
-            score=self.score,
-            params=self.eval_sampling,
-            batch_size=cfg.eval.batch_size,
-            pad_id=self.tokenizer.pad_token_id,
-            max_prompts=cfg.eval.max_prompts,
-            divisor=self.world_size,
-        )
+        with self.on_device("actor"):
+            return evaluate(
+                prompts,
+                generate=lambda batch, params: self.actor.generate(batch, params),
+                score=self.score,
+                params=self.eval_sampling,
+                batch_size=cfg.eval.batch_size,
+                pad_id=self.tokenizer.pad_token_id,
+                max_prompts=cfg.eval.max_prompts,
+                divisor=self.world_size,
+            )
 
     def score(self, batch: Batch) -> torch.Tensor:
         return torch.tensor(

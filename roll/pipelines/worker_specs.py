@@ -114,10 +114,10 @@ def policy_roles(cfg: RLVRConfig, plan: WorkerPlan, extra: dict[str, Role]) -> d
     roles += extra.values()
     for name, teacher in onpolicy_teachers(cfg).items():
         model = dataclasses.replace(plan.rollout.model, path=teacher.model_path)  # inference dtype
-        spec = ReferenceSpec(model)
+        spec = ReferenceSpec(model, collective_timeout_s=cfg.ray.call_timeout_s)
         roles.append(Role(teacher_role(name), ReferenceWorker, teacher.world_size, spec, replaceable=True))
     if reference_workers(cfg):
-        spec = ReferenceSpec(plan.actor.model)
+        spec = ReferenceSpec(plan.actor.model, collective_timeout_s=cfg.ray.call_timeout_s)
         roles.append(Role("reference", ReferenceWorker, cfg.actor.world_size, spec, replaceable=True))
     return {role.name: role for role in roles}
 

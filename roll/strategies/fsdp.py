@@ -21,13 +21,16 @@ def is_sharded(tensor: torch.Tensor) -> bool:
     return module is not None and isinstance(tensor, module.DTensor)
 
 
-def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
+def shard_model(
+    model: torch.nn.Module, compute_dtype: torch.dtype | None = None, scoring_only: bool = False
+) -> torch.nn.Module:
     """Shard ``model`` in place across the default process group (every rank calls this).
 
     ``compute_dtype`` (e.g. bfloat16) is mixed precision: the weights stay in their dtype (the float32
     master copy the optimizer updates), each block's are cast to ``compute_dtype`` when gathered for its
     forward and backward, and gradients are reduced and kept in float32. None: compute in the weights'
-    dtype."""
+    dtype. ``scoring_only``: a model that never runs backward (a reference) frees the root's gathered
+    weights (embeddings, head) after each forward too; a trained one keeps them for the backward."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     block_names = set(getattr(model, "_no_split_modules", None) or ())
@@ -42,8 +45,20 @@ def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype | None = None
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for block in blocks:
         fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=scoring_only)
     return model
+
+
+def settle_gradient_dtypes(model: torch.nn.Module, device: torch.device) -> None:
+    """Run a sharded model's first forward now (one token, no gradient; every rank calls this).
+
+    FSDP2 fixes each group's gradient dtypes at the model's first forward, from the parameters that need a
+    gradient at that moment. peft's ``disable_adapter`` (a LoRA reference pass) switches the adapter's off,
+    so a first forward inside it would leave the adapter's gradients reduced in bf16 and then refused by
+    its float32 weights."""
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
+    model.reshard()  # the root keeps its gathered weights after a forward, for a backward that is not coming
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -58,10 +58,12 @@ def load_sharded(
     device: torch.device,
     compute_dtype: torch.dtype | None,
     prepare: Callable[[torch.nn.Module], None] = lambda model: None,
+    scoring_only: bool = False,
 ) -> tuple[torch.nn.Module, LoadReport]:
     """The model ``build()`` makes (called with its weights on the meta device), ``prepare``d (e.g.
     gradient checkpointing, before sharding), sharded across the default process group, then each rank's
-    shard read from the files of ``index`` in float32 onto ``device``. Every rank calls this.
+    shard read from the files of ``index`` onto ``device``, in the dtype ``build`` gave the weights (the
+    files' values cast to it). ``scoring_only``: see ``shard_model``. Every rank calls this.
 
     Raises:
         ValueError: a weight of the model is not in the checkpoint (nothing has been read).
@@ -80,7 +82,7 @@ def load_sharded(
             f"{path}: the checkpoint lacks {len(missing)} weight(s) of the model, e.g. {missing[:3]}"
         )
     prepare(model)
-    model = shard_model(model, compute_dtype)
+    model = shard_model(model, compute_dtype, scoring_only)
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
     model.to_empty(device=device)
     read = 0

@@ -79,15 +79,24 @@ class ActorWorker(TrainerWorker):
             else super().whole_model_reason()
         )
 
+    def weights_dtype(self, spec: ModelSpec) -> str:
+        """With LoRA the frozen base is held in the dtype it computes in (bf16: 2 bytes a weight, as peft
+        users expect); only the adapter keeps float32 masters (``load_model``)."""
+        return spec.dtype if self.config.lora is not None else super().weights_dtype(spec)
+
     def load_model(self, spec: ModelSpec) -> torch.nn.Module:
-        """The policy; with ``lora`` wrapped by peft, only the adapter trainable."""
+        """The policy; with ``lora`` wrapped by peft, only the adapter trainable, in float32."""
         model = super().load_model(spec)
         lora: LoraSpec | None = self.config.lora
         if lora is None:
             return model
         from roll.strategies.lora import apply_lora
 
-        return apply_lora(model, lora, spec.path)
+        model = apply_lora(model, lora, spec.path)
+        for param in model.parameters():
+            if param.requires_grad:  # the optimizer's masters: an update below bf16's step must not vanish
+                param.data = param.data.float()
+        return model
 
     @register(Dispatch.DP_COMPUTE)
     def compute_reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:

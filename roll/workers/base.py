@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -44,12 +47,16 @@ class ModelWorker(Worker):
     """Loads ``config.model`` (a ModelSpec) in ``setup`` and computes response logprobs."""
 
     model: torch.nn.Module
+    joins_process_group = False  # whether ``setup`` takes a rendezvous (``master_addr``, ``master_port``)
 
     @register(Dispatch.ONE_TO_ALL)
     def setup(self, **_: object) -> None:
+        from roll.strategies.sharded_load import whole_model_report
+
         self.set_up_process()
         self.model = self.load_model(self.config.model)
         self.model.eval()
+        self.load_report = whole_model_report(self.model, "a replica on every rank")
 
     def set_up_process(self) -> None:
         """Threads, the seed, the device and the tokenizer: everything but the model."""
@@ -66,6 +73,40 @@ class ModelWorker(Worker):
         torch.manual_seed(spec.seed + self.rank)
         self.device = pick_device()
         self.tokenizer = load_tokenizer(spec.path)
+
+    def join_process_group(self, master_addr: str | None, master_port: int | None, timeout_s: float) -> None:
+        """The ranks' gloo/NCCL group (FSDP2 and a trainer step's bookkeeping). One rank gets a group of
+        its own too, in memory: mixed precision is FSDP2's on every world size."""
+        import torch.distributed as dist
+
+        # The step's bookkeeping all-reduces CPU tensors (global denominator, micro-batch count, loss
+        # terms, finite-weights flag): NCCL alone has no CPU backend, so those go over gloo.
+        backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+        timeout = timedelta(seconds=timeout_s)
+        if self.world_size == 1:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            return
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timeout,
+        )
+
+    @register(Dispatch.ONE_TO_ALL)
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            # Barrier first so no rank tears the group down while a peer still uses it.
+            dist.barrier()
+            dist.destroy_process_group()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def loaded(self) -> dict[str, Any]:
+        """How this rank loaded its model (``roll.strategies.sharded_load.LoadReport``)."""
+        return dataclasses.asdict(self.load_report)
 
     @register(Dispatch.ONE_TO_ALL)
     def warm_up(self) -> None:
@@ -169,6 +210,9 @@ class ModelWorker(Worker):
             logits, _ = response_logits(self.model, batch.to(self.device))
             indices, logprobs = teacher_topk(logits, k, tail)
         width = batch["response_ids"].shape[1]
+        # The logits run to the longest response of this rank's rows: clear the positions past each one.
+        real = batch["response_mask"][:, : indices.shape[1], None].bool().to(indices.device)
+        indices, logprobs = indices.masked_fill(~real, 0), logprobs.masked_fill(~real, 0.0)
         return Batch(
             tensors={
                 "teacher_indices": pad_columns(indices.cpu(), width),

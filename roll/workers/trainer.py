@@ -4,7 +4,6 @@ or token-budget micro-batches, offload between colocated stages, atomic HF-forma
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -15,7 +14,6 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +98,8 @@ class TrainerWorker(ModelWorker):
     big batch. Weights and optimizer state are float32; ``model.dtype`` bfloat16 computes in it (mixed
     precision, see ``roll.strategies.fsdp.shard_model``)."""
 
+    joins_process_group = True
+
     @register(Dispatch.ONE_TO_ALL)
     def setup(self, master_addr: str | None = None, master_port: int | None = None, **_: object) -> None:
         from roll.strategies.sharded_load import checkpoint_index, load_sharded, whole_model_report
@@ -112,7 +112,7 @@ class TrainerWorker(ModelWorker):
         build = self.model_builder(spec.model) if sharded else None
         index = checkpoint_index(spec.model.path) if build is not None else None
         if sharded:
-            self._join_process_group(master_addr, master_port)
+            self.join_process_group(master_addr, master_port, spec.collective_timeout_s)
         if build is not None and index is not None:
             # Each rank reads only its shard from the files: no rank holds the whole model.
             self.model, self.load_report = load_sharded(
@@ -132,6 +132,11 @@ class TrainerWorker(ModelWorker):
                     for p in self.model.parameters():
                         dist.broadcast(p.data, src=0)
                 self.model = shard_model(self.model, compute_dtype if mixed else None)
+        from roll.strategies.fsdp import settle_gradient_dtypes
+        from roll.strategies.lora import is_lora
+
+        if sharded and is_lora(self.model):
+            settle_gradient_dtypes(self.model, self.device)
         self.model.train()
         opt = spec.optimizer
         # The fused kernel updates every tensor in one pass instead of a loop of small kernels per tensor
@@ -161,41 +166,10 @@ class TrainerWorker(ModelWorker):
             enable = enable or model.gradient_checkpointing_enable
             enable({"use_reentrant": False})
 
-    @register(Dispatch.ONE_TO_ALL)
-    def loaded(self) -> dict[str, Any]:
-        """How this rank loaded its model (``roll.strategies.sharded_load.LoadReport``)."""
-        return dataclasses.asdict(self.load_report)
-
     def weights_dtype(self, spec: ModelSpec) -> str:
         """float32 whatever the model computes in: the master weights the optimizer updates (a bf16 weight
         cannot take an update below 1/256 of itself: at lr 1e-6 almost none changed)."""
         return "float32"
-
-    def _join_process_group(self, master_addr: str | None, master_port: int | None) -> None:
-        """The ranks' gloo/NCCL group (FSDP2 and the step's bookkeeping). One rank gets a group of its own
-        too, in memory: mixed precision is FSDP2's on every world size."""
-        spec: TrainerSpec = self.config
-        # The step's bookkeeping all-reduces CPU tensors (global denominator, micro-batch count, loss
-        # terms, finite-weights flag): NCCL alone has no CPU backend, so those go over gloo.
-        backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
-        timeout = timedelta(seconds=spec.collective_timeout_s)
-        if self.world_size == 1:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-            return
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=timeout,
-        )
-
-    @register(Dispatch.ONE_TO_ALL)
-    def shutdown(self) -> None:
-        if dist.is_initialized():
-            # Barrier first so no rank tears the group down while a peer still uses it.
-            dist.barrier()
-            dist.destroy_process_group()
 
     def update(self, batch: Batch, loss_fn: LossFn, loss_agg_mode: str) -> dict[str, float]:
         """``ppo_epochs`` passes of mini-batch updates over this rank's shard of the batch.
