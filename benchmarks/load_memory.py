@@ -2,11 +2,12 @@
 (gloo, this CPU), before and after issue 59:
 
 - ``actor``: loading by shards (``roll.strategies.sharded_load``) against loading the whole model on every
-  rank and then sharding it (the path before, still taken by the critic and a LoRA actor);
+  rank and then sharding it (the path before; still taken by a checkpoint without safetensors files);
 - ``reference``: a reference sharded by FSDP2 (each rank reads and holds 1/N of the weights) against a
   whole replica on every rank; its step is one scoring pass (``compute_logprobs``);
-- ``lora``: a LoRA actor computing in bf16 whose frozen base is held in bf16 against one holding it in
-  float32 (the adapter keeps float32 masters either way).
+- ``lora``: a LoRA actor computing in bf16 whose frozen base is read by shards and held in bf16 against
+  one loading it whole on every rank and holding it in float32 (the adapter keeps float32 masters either
+  way).
 
 The model is shaped like Qwen2.5-0.5B (24 layers, hidden 896, 14 heads, 2 KV heads, a 151,936-token
 vocabulary; random weights, float32 safetensors, about 2 GB) and saved once under ``--cache``. Each rank
@@ -36,7 +37,11 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 # Each role's two paths, before and after.
-PATHS = {"actor": ("whole", "sharded"), "reference": ("whole", "sharded"), "lora": ("float32", "bfloat16")}
+PATHS = {
+    "actor": ("whole", "sharded"),
+    "reference": ("whole", "sharded"),
+    "lora": ("whole-fp32", "sharded-bf16"),
+}
 
 
 def _peak_gb() -> float:
@@ -89,13 +94,13 @@ def rank_main(rank: int, path: str, port: int, role: str, how: str, out: str) ->
     from roll.workers.base import ModelSpec
     from roll.workers.reference import ReferenceSpec, ReferenceWorker
 
-    if role == "actor" and how == "whole":
-        ActorWorker.model_builder = lambda self, spec: None  # the path before sharded loading
-    if role == "reference" and how == "whole":
-        import roll.models.loading
+    if how.startswith("whole"):
         import roll.strategies.sharded_load
 
-        roll.strategies.sharded_load.checkpoint_index = lambda path: None  # a whole replica per rank
+        roll.strategies.sharded_load.checkpoint_index = lambda path: None  # the path before: all of it
+    if role == "reference" and how == "whole":
+        import roll.models.loading
+
         load = roll.models.loading.load_causal_lm
 
         def copied(*args: object, **kwargs: object) -> torch.nn.Module:
@@ -107,7 +112,7 @@ def rank_main(rank: int, path: str, port: int, role: str, how: str, out: str) ->
             return model
 
         roll.models.loading.load_causal_lm = copied
-    if role == "lora" and how == "float32":
+    if role == "lora" and how == "whole-fp32":
         ActorWorker.weights_dtype = lambda self, spec: "float32"  # the base held as trainers hold weights
     if role == "reference":
         worker = ReferenceWorker("reference", rank, 2, ReferenceSpec(ModelSpec(path=path)))
@@ -170,10 +175,8 @@ def main() -> None:
                 mp.spawn(rank_main, args=(str(path), free_port(), role, how, out), nprocs=2, join=True)
                 ranks = [json.loads(Path(out, f"{role}_{how}_{rank}.json").read_text()) for rank in range(2)]
                 results.setdefault(role, {})[how] = ranks
-    header = (
-        f"{'role':<9} {'path':<8} {'rank':>4} {'read GB':>8} {'held GB':>8} {'base GB':>8} {'loading GB':>11}"
-    )
-    print(f"{header} {'step GB':>8}")
+    columns = ("read GB", "held GB", "base GB", "loading GB", "step GB")
+    print(f"{'role':<9} {'path':<12} {'rank':>4} " + " ".join(f"{c:>{max(8, len(c))}}" for c in columns))
     for role, paths in results.items():
         for how, ranks in paths.items():
             for rank, r in enumerate(ranks):
@@ -186,7 +189,7 @@ def main() -> None:
                 ]
                 read, held, base, load, step = numbers
                 print(
-                    f"{role:<9} {how:<8} {rank:>4} {read:>8.2f} {held:>8.2f} {base:>8.2f} {load:>11.2f} "
+                    f"{role:<9} {how:<12} {rank:>4} {read:>8.2f} {held:>8.2f} {base:>8.2f} {load:>11.2f} "
                     f"{step:>8.2f}"
                 )
     keys = ("bytes_read", "held_bytes", "base_gb", "load_gb", "step_gb")

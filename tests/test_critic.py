@@ -57,12 +57,14 @@ def critic_spec(tiny_model_path: str) -> CriticSpec:
 
 
 def train_critic(
-    tiny_model_path: str, batch: Batch, world_size: int, steps: int
+    tiny_model_path: str, batch: Batch, world_size: int, steps: int, loads: list | None = None
 ) -> tuple[list[dict], torch.Tensor]:
     critic = Cluster("critic", CriticWorker, world_size, critic_spec(tiny_model_path))
     try:
         master = critic.master_address() if world_size > 1 else (None, None)
         critic.setup(master_addr=master[0], master_port=master[1])
+        if loads is not None:
+            loads.extend(critic.loaded())
         history = []
         for _ in range(steps):
             batch["values"] = critic.compute_values(batch)["values"]
@@ -86,8 +88,12 @@ def test_critic_learns_the_returns(tiny_model_path, batch):
 @pytest.mark.usefixtures("ray_session")
 def test_two_rank_critic_equals_one_rank(tiny_model_path, batch):
     """Two FSDP2 critic ranks over gloo train exactly as one: needs two worker processes and a collective,
-    which the one-rank critic tests cannot show."""
-    one, one_values = train_critic(tiny_model_path, batch, world_size=1, steps=3)
-    two, two_values = train_critic(tiny_model_path, batch, world_size=2, steps=3)
+    which the one-rank critic tests cannot show. The two load by shards: each reads half the weights
+    from the policy's files, and the head the files lack starts at zero, as a whole load's does."""
+    loads: list[dict] = []
+    one, one_values = train_critic(tiny_model_path, batch, world_size=1, steps=3, loads=loads)
+    two, two_values = train_critic(tiny_model_path, batch, world_size=2, steps=3, loads=loads)
+    assert loads[0]["how"] == "whole" and [load["how"] for load in loads[1:]] == ["sharded", "sharded"]
+    assert all(load["bytes_read"] <= 0.6 * loads[0]["bytes_read"] for load in loads[1:]), loads
     assert pytest.approx([r["loss"] for r in one], abs=1e-5) == [r["loss"] for r in two]
     torch.testing.assert_close(one_values, two_values, atol=1e-4, rtol=1e-4)

@@ -98,6 +98,7 @@ def test_a_bf16_lora_base_is_held_in_bf16_and_only_the_adapter_has_float32_maste
 
     lora = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
     with Actor(tiny_model_path, "bfloat16", lr=1e-2, lora=lora) as actor:
+        assert actor.loaded()["how"] == "sharded"  # read by shards, the adapter drawn as peft draws it
         params = dict(actor.model.named_parameters())
         frozen = {local_tensor(p).dtype for p in params.values() if not p.requires_grad}
         trainable = {local_tensor(p).dtype for p in params.values() if p.requires_grad}

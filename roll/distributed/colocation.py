@@ -35,19 +35,20 @@ class Colocation:
         two of them on shared devices. Roles in no group, and the first role of every group, start at
         once."""
         waves: list[list[str]] = [[role for role in setups if role not in self.on_device]]
+        stays: set[str] = set()  # the last of each group to load stays on the devices
         for group in self.groups:
             loading = [role for role in group if role in setups]  # the rest are running already
             for index, role in enumerate(loading):
                 if index >= len(waves):
                     waves.append([])
                 waves[index].append(role)
+            stays.update(loading[-1:])
         for wave in waves:
             futures = [setups[role]() for role in wave]
             for future in futures:
                 future.get()
             for role in wave:
-                group = next((g for g in self.groups if role in g), None)
-                if group is not None and role != [r for r in group if r in setups][-1]:
+                if role in self.on_device and role not in stays:
                     self._move(role, to_device=False, metrics={})
 
     def use(self, *roles: str) -> dict[str, float]:

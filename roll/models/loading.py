@@ -277,12 +277,42 @@ def load_value_model(
         )
     finally:
         hf_logging.set_verbosity(verbosity)
-    if any(key.startswith("score.") for key in info["missing_keys"]):
+    if any(key.startswith(VALUE_HEAD) for key in info["missing_keys"]):
         with torch.no_grad():
             for parameter in model.score.parameters():
                 parameter.zero_()
-    # The head's dropout (0.1 by default) would make values noisy and old/new values disagree.
+    return _without_dropout(model).to(device)
+
+
+def build_value_model(path: str | os.PathLike, attn_implementation: str = "sdpa") -> PreTrainedModel:
+    """The value model of ``path``'s config (``load_value_model``'s), in float32, its weights initialised
+    but not read, for sharded loading (a head the checkpoint lacks is then zeroed there)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    _prepare_attention(path, attn_implementation)
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True, num_labels=1)
+    try:
+        model = AutoModelForTokenClassification.from_config(
+            config, attn_implementation=attn_implementation, dtype=torch.float32
+        )
+    except (ImportError, ValueError) as e:
+        named = _attention_error(e, path, attn_implementation)
+        if named is e:
+            raise
+        raise named from e
+    return _without_dropout(model)
+
+
+# A value model's head: new (zeroed) when it starts from a causal LM's checkpoint.
+VALUE_HEAD = "score."
+
+
+def _without_dropout(model: PreTrainedModel) -> PreTrainedModel:
+    """The head's dropout (0.1 by default) would make values noisy and old/new values disagree."""
+    import torch
+
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    return model.to(device)
+    return model

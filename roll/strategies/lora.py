@@ -16,7 +16,9 @@ wrapped ones (``base_model.model....base_layer.weight``), so engines need not kn
 from __future__ import annotations
 
 import json
+import math
 import warnings
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -94,6 +96,29 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec, base_path: str) -> torch.
     )
     with quiet_peft():
         return get_peft_model(model, config)
+
+
+PEFT_PREFIX = "base_model.model."  # what peft puts before the plain model's names
+
+
+def stored_name(name: str) -> str:
+    """A peft-wrapped model's weight under its plain model's name (the checkpoint's): the wrapper's
+    prefix and the adapted layers' ``base_layer`` dropped."""
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def initial_adapter_weight(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor | None:
+    """The initial value of an adapter weight of a model built without data (sharded loading), as
+    peft's default init draws it: ``B`` zero, so the adapted model starts as its base; ``A`` uniform in
+    +-1/sqrt(in) (kaiming-uniform with a = sqrt(5)), from a generator seeded by ``seed`` and the weight's
+    name, so every rank draws the same values whatever its shard. None for any other weight."""
+    if ".lora_B." in name:
+        return torch.zeros(shape)
+    if ".lora_A." not in name:
+        return None
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    bound = 1.0 / math.sqrt(shape[1])
+    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
 
 
 @contextmanager

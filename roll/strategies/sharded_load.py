@@ -59,11 +59,16 @@ def load_sharded(
     compute_dtype: torch.dtype | None,
     prepare: Callable[[torch.nn.Module], None] = lambda model: None,
     scoring_only: bool = False,
+    stored_as: Callable[[str], str] = lambda name: name,
+    new_weight: Callable[[str, tuple[int, ...]], torch.Tensor | None] = lambda name, shape: None,
 ) -> tuple[torch.nn.Module, LoadReport]:
     """The model ``build()`` makes (called with its weights on the meta device), ``prepare``d (e.g.
     gradient checkpointing, before sharding), sharded across the default process group, then each rank's
     shard read from the files of ``index`` onto ``device``, in the dtype ``build`` gave the weights (the
-    files' values cast to it). ``scoring_only``: see ``shard_model``. Every rank calls this.
+    files' values cast to it). ``scoring_only``: see ``shard_model``. ``stored_as``: a weight's name in the
+    files (a peft-wrapped model's are the plain model's). ``new_weight(name, shape)``: the whole initial
+    value of a weight the files lack (a value model's head, a LoRA adapter), the same on every rank, or
+    None. Every rank calls this.
 
     Raises:
         ValueError: a weight of the model is not in the checkpoint (nothing has been read).
@@ -76,7 +81,14 @@ def load_sharded(
     # stay a weight of its own.
     model.tie_weights()
     names = [name for name, _ in model.named_parameters()]  # tied weights once
-    missing = [name for name in names if name not in index]
+    shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    fresh = {}
+    for name in names:
+        if stored_as(name) not in index:
+            value = new_weight(name, shapes[name])
+            if value is not None:
+                fresh[name] = value
+    missing = [name for name in names if stored_as(name) not in index and name not in fresh]
     if missing:
         raise ValueError(
             f"{path}: the checkpoint lacks {len(missing)} weight(s) of the model, e.g. {missing[:3]}"
@@ -89,15 +101,25 @@ def load_sharded(
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])
-        for file, group in _by_file(model, index).items():
+        for name, param in model.named_parameters():
+            if name in fresh:
+                local = local_tensor(param)
+                start, stop = _rows(param, local) if param.dim() else (None, None)
+                local.copy_(fresh[name][start:stop])
+        for file, group in _by_file(model, index, stored_as, fresh).items():
             read += _read_shards(file, group)
     return model, LoadReport("sharded", read)
 
 
-def _by_file(model: torch.nn.Module, index: dict[str, Path]) -> dict[Path, list[tuple[str, torch.Tensor]]]:
+def _by_file(
+    model: torch.nn.Module, index: dict[str, Path], stored_as: Callable[[str], str], fresh: dict
+) -> dict[Path, list[tuple[str, torch.Tensor]]]:
+    """Each file's weights to read: (name in the file, the model's parameter)."""
     grouped: dict[Path, list[tuple[str, torch.Tensor]]] = {}
     for name, param in model.named_parameters():
-        grouped.setdefault(index[name], []).append((name, param))
+        if name not in fresh:
+            stored = stored_as(name)
+            grouped.setdefault(index[stored], []).append((stored, param))
     return grouped
 
 

@@ -65,19 +65,29 @@ class ActorWorker(TrainerWorker):
     probe_sequences: list[list[int]] | None = None  # scored after every sync (set_sync_probe)
 
     def model_builder(self, spec: ModelSpec) -> Callable[[], torch.nn.Module] | None:
-        """The policy from its config (sharded loading); LoRA's base still loads whole."""
-        if self.config.lora is not None:
-            return None
+        """The policy from its config (sharded loading); with LoRA its base in the compute dtype, wrapped
+        by peft (the adapter's weights in float32, drawn by ``new_weight``)."""
         from roll.models.loading import build_causal_lm
+        from roll.strategies.lora import apply_lora
 
-        return lambda: build_causal_lm(spec.path, spec.attn_implementation)
-
-    def whole_model_reason(self) -> str:
-        return (
-            "a LoRA actor's base is not loaded by shards yet"
-            if self.config.lora
-            else super().whole_model_reason()
+        lora: LoraSpec | None = self.config.lora
+        if lora is None:
+            return lambda: build_causal_lm(spec.path, spec.attn_implementation)
+        dtype = getattr(torch, spec.dtype)
+        return lambda: _adapter_in_float32(
+            apply_lora(build_causal_lm(spec.path, spec.attn_implementation, dtype), lora, spec.path)
         )
+
+    def stored_as(self, name: str) -> str:
+        from roll.strategies.lora import stored_name
+
+        return stored_name(name) if self.config.lora is not None else name
+
+    def new_weight(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        from roll.strategies.lora import initial_adapter_weight
+
+        lora = self.config.lora is not None
+        return initial_adapter_weight(name, shape, self.config.model.seed) if lora else None
 
     def weights_dtype(self, spec: ModelSpec) -> str:
         """With LoRA the frozen base is held in the dtype it computes in (bf16: 2 bytes a weight, as peft
@@ -92,11 +102,7 @@ class ActorWorker(TrainerWorker):
             return model
         from roll.strategies.lora import apply_lora
 
-        model = apply_lora(model, lora, spec.path)
-        for param in model.parameters():
-            if param.requires_grad:  # the optimizer's masters: an update below bf16's step must not vanish
-                param.data = param.data.float()
-        return model
+        return _adapter_in_float32(apply_lora(model, lora, spec.path))
 
     @register(Dispatch.DP_COMPUTE)
     def compute_reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
@@ -296,3 +302,12 @@ class ActorWorker(TrainerWorker):
             self.weight_group = None
         self.close_shared_weights()
         super().shutdown()
+
+
+def _adapter_in_float32(model: torch.nn.Module) -> torch.nn.Module:
+    """The trainable (adapter) weights in float32: the optimizer's masters, so that an update below
+    bf16's step does not vanish."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()
+    return model

@@ -3,6 +3,7 @@ optimizer, and a clipped value loss against the returns."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ from roll.data.batch import Batch
 from roll.data.masks import loss_mask
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.worker import register
+from roll.models.loading import VALUE_HEAD
 from roll.strategies.hf_forward import response_values
 from roll.workers.base import ModelSpec
 from roll.workers.trainer import TrainerSpec, TrainerWorker
@@ -26,6 +28,16 @@ class CriticSpec(TrainerSpec):
 
 class CriticWorker(TrainerWorker):
     """``config`` is a CriticSpec; its model is a value model (``load_value_model``)."""
+
+    def model_builder(self, spec: ModelSpec) -> Callable[[], torch.nn.Module]:
+        """The value model from its config (sharded loading)."""
+        from roll.models.loading import build_value_model
+
+        return lambda: build_value_model(spec.path, spec.attn_implementation)
+
+    def new_weight(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """From the policy's checkpoint the value head is new: it starts at zero (values start at 0)."""
+        return torch.zeros(shape) if name.startswith(VALUE_HEAD) else None
 
     def load_model(self, spec: ModelSpec) -> torch.nn.Module:
         from roll.models.loading import load_value_model

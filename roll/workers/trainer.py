@@ -4,6 +4,7 @@ or token-budget micro-batches, offload between colocated stages, atomic HF-forma
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import math
@@ -109,19 +110,25 @@ class TrainerWorker(ModelWorker):
         mixed = compute_dtype != torch.float32
         self.set_up_process()
         sharded = self.world_size > 1 or mixed
-        build = self.model_builder(spec.model) if sharded else None
-        index = checkpoint_index(spec.model.path) if build is not None else None
+        index = checkpoint_index(spec.model.path) if sharded else None
         if sharded:
             self.join_process_group(master_addr, master_port, spec.collective_timeout_s)
-        if build is not None and index is not None:
+        if index is not None:
             # Each rank reads only its shard from the files: no rank holds the whole model.
             self.model, self.load_report = load_sharded(
-                build, spec.model.path, index, self.device, compute_dtype if mixed else None, self._prepare
+                self.model_builder(spec.model),
+                spec.model.path,
+                index,
+                self.device,
+                compute_dtype if mixed else None,
+                self._prepare,
+                stored_as=self.stored_as,
+                new_weight=self.new_weight,
             )
         else:
             self.model = self.load_model(spec.model)
             self._prepare(self.model)
-            why = "no safetensors files" if build is not None else self.whole_model_reason()
+            why = "no safetensors files"
             self.load_report = whole_model_report(self.model, why if sharded else "one float32 rank")
             if sharded:
                 from roll.strategies.fsdp import shard_model
@@ -149,13 +156,19 @@ class TrainerWorker(ModelWorker):
         self.optimizer = torch.optim.AdamW(trainable, lr=opt.lr, weight_decay=opt.weight_decay, fused=fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(opt))
 
-    def model_builder(self, spec: ModelSpec) -> Callable[[], torch.nn.Module] | None:
-        """What builds this trainer's model from its config alone, for sharded loading; None: it loads
-        the whole model (``whole_model_reason`` says why)."""
-        return None
+    @abc.abstractmethod
+    def model_builder(self, spec: ModelSpec) -> Callable[[], torch.nn.Module]:
+        """What builds this trainer's model from its config alone, for sharded loading (``load_model``
+        is its whole-model twin)."""
 
-    def whole_model_reason(self) -> str:
-        return f"the {self.role}'s model is not loaded by shards yet"
+    def stored_as(self, name: str) -> str:
+        """The name a weight of the built model has in the checkpoint files (sharded loading)."""
+        return name
+
+    def new_weight(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The whole initial value of a weight the checkpoint lacks (the same on every rank), or None: a
+        weight that must be in the files (sharded loading)."""
+        return None
 
     def _prepare(self, model: torch.nn.Module) -> None:
         """Before sharding: gradient checkpointing (FSDP2 then wraps the checkpointed blocks, and
