@@ -22,7 +22,7 @@ def test_sft_ranks_run_on_their_mapped_devices_and_give_them_back(tmp_path) -> N
     pipeline = SFTPipeline(load_config("examples/sft.yaml", overrides))
     try:
         visible = [ping["cuda_visible_devices"] for ping in pipeline.actor.ping()]
-        assert visible == [pipeline.device_table.slot(index).gpu_id for index in (2, 3)]
+        assert visible == [pipeline.role_set.device_table.slot(index).gpu_id for index in (2, 3)]
     finally:
         pipeline.shutdown()
     # Released: another run can reserve every device again.
