@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +32,7 @@ from roll.health import (
 )
 from roll.pipelines.recovery import RestartBudget
 from roll.pipelines.run_loop import RunLoop
+from roll.utils import signals
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEPS = 300
@@ -449,6 +452,25 @@ def test_stop_mode_ends_the_run_with_a_checkpoint_of_the_step(tmp_path: Path) ->
     # Resumed from it, the run goes on: the monitor already reported this trouble.
     resumed = FakeLoop(loop_config(tmp_path, "stop"), metrics, resume_from=saved)
     assert resumed.run() == "done"
+
+
+class SignalledLoop(FakeLoop):
+    """Receives SIGTERM after step 3 has run, while its row is being written."""
+
+    def _check_health(self, step: int, metrics: Metrics, tracker: Any) -> list:
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled before os.kill returns
+        return super()._check_health(step, metrics, tracker)
+
+
+def test_a_stop_signal_after_the_step_still_logs_and_saves_it(tmp_path: Path) -> None:
+    config = loop_config(tmp_path, "warn")  # checkpoints every 100 steps: step 3 is off the cadence
+    with signals.stop_on_signals(), pytest.raises(signals.StopRequested):
+        SignalledLoop(config, [{"actor/entropy": 1.0}] * 10).run()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 3
+    last = checkpoint.latest_valid(checkpoint.checkpoints_root(tmp_path))
+    assert last is not None and checkpoint.checkpoint_step(last) == 3
 
 
 def test_roll_train_exits_3_on_a_health_stop(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -131,20 +131,24 @@ class RunLoop(abc.ABC):
             while step <= total:
                 set_activity(f"{self.name} step {step} of {total}")
                 try:
-                    # A stop signal lets the step finish when a checkpoint can then save it.
+                    # A stop signal lets the step finish when a checkpoint can then save it: held back
+                    # through the step, its row and its checkpoint, so the last row logged is saved.
                     with signals.deferred(cfg.checkpoint.every_steps > 0):
                         metrics = self._step_and_evaluate(step)
-                    metrics["recovery/restarts"] = self.budget.restarts
-                    events = self._check_health(step, metrics, tracker)
-                    tracker.log(step, metrics)
-                    tracker.log_samples(step, self.recent_samples)
-                    saved = None
-                    if checkpoint_due(cfg.checkpoint, step, total):
-                        saved = self.save_checkpoint(step, results, tracker)
-                    if any(event.action == "stop" for event in events):
-                        # Saved even off the checkpoint cadence: the state that showed the trouble.
-                        saved = saved or self.save_checkpoint(step, results, tracker)
-                        raise HealthStop(stop_message(events, saved, cfg.output_dir))
+                        metrics["recovery/restarts"] = self.budget.restarts
+                        events = self._check_health(step, metrics, tracker)
+                        tracker.log(step, metrics)
+                        tracker.log_samples(step, self.recent_samples)
+                        saved = None
+                        if checkpoint_due(cfg.checkpoint, step, total):
+                            saved = self.save_checkpoint(step, results, tracker)
+                        if any(event.action == "stop" for event in events):
+                            # Saved even off the checkpoint cadence: the state that showed the trouble.
+                            saved = saved or self.save_checkpoint(step, results, tracker)
+                            raise HealthStop(stop_message(events, saved, cfg.output_dir))
+                        if saved is None and checkpoint_due(cfg.checkpoint, step, total):
+                            # The signal came after the cadence was asked.
+                            self.save_checkpoint(step, results, tracker)
                 except self.restartable as error:
                     step = self._restart(error, tracker, results) + 1
                     continue
