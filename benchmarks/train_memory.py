@@ -5,8 +5,11 @@ peak RSS is that run's alone:
 
 - ``before``: the forward as it was (issue 41): logits over prompt and response, then a float32 copy of
   them, then a temperature-scaled copy, then ``logprobs_from_logits``.
-- ``now``: ``roll.strategies.hf_forward.response_logprobs``: the head only on the positions that predict
-  the response (``logits_to_keep``), upcast and temperature a chunk of rows at a time.
+- ``logits``: the forward as it was before the streamed head (issue 60): the head only on the positions
+  that predict the response (``logits_to_keep``), their logits upcast and divided by the temperature a
+  chunk of rows at a time, but the bf16 logits of every response position, and their gradient, whole.
+- ``now``: ``roll.strategies.hf_forward.response_logprobs`` with the streamed head
+  (``roll.strategies.streaming_head``): a chunk of rows' logits at a time, in forward and backward.
 
 Passes: ``logprobs`` (no grad: old and reference logprobs), ``train`` (forward and backward of the
 mean response logprob: a train step's memory without the optimizer) and ``distill`` (forward and
@@ -34,7 +37,7 @@ from pathlib import Path
 
 from generation_memory import VOCAB, build_large_vocab_model  # this directory: run as a script
 
-PATHS = ("before", "now")
+PATHS = ("before", "logits", "now")
 PASSES = ("logprobs", "train", "distill")
 TOP_K = 64
 
@@ -77,17 +80,24 @@ def _distill_loss(path: str, model, batch, teacher_indices, teacher_logprobs):
     """The mean forward KL from the teacher's cached top-k (extra class) to the student."""
     import torch
 
-    from roll.algorithms.distillation import _support, forward_kl, student_on_support
+    from roll.algorithms.distillation import forward_kl, student_on_support, support_logprobs
     from roll.data.padding import position_ids_from_mask
     from roll.strategies.hf_forward import response_logits
 
+    if path == "now":  # the actor's loss terms, through the streamed head
+        from roll.workers.actor_losses import DistillLossSpec, distill_terms
+
+        micro = batch.select_keys(batch.tensors)
+        micro["teacher_indices"], micro["teacher_logprobs"] = teacher_indices, teacher_logprobs
+        divergence, _, _, mask = distill_terms(model, micro, DistillLossSpec(tail="extra_class"))
+        return divergence.sum() / mask.sum()
     if path == "before":  # the actor's _distill_terms at 965608d
         prompt_length, length = batch["prompt_ids"].shape[1], batch["response_ids"].shape[1]
         ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
         mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
         logits = logits[:, prompt_length - 1 : prompt_length - 1 + length].float()
-        student = _support(logits, teacher_indices, "extra_class")
+        student = support_logprobs(logits, teacher_indices, "extra_class")
     else:
         logits, _ = response_logits(model, batch)
         student = student_on_support(logits, teacher_indices, "extra_class")
@@ -112,6 +122,10 @@ def run_one(path: str, which: str, model_path: str, args: argparse.Namespace) ->
             "response_mask": torch.ones(args.rows, args.response, dtype=torch.long),
         }
     )
+    if path == "logits":
+        import roll.strategies.hf_forward as hf_forward
+
+        hf_forward.streamable_head = lambda model: None  # every path below materialises the logits
     forward = _before if path == "before" else (lambda m, b, t: response_logprobs(m, b, t)[0])
     # Distinct ids per position (a teacher's top-k) and a normalised distribution over k + 1 classes.
     offsets = torch.randint(0, VOCAB, (args.rows, args.response, 1), generator=generator)
@@ -177,12 +191,14 @@ def main() -> None:
         print(f"{row} {r['peak_rss_gb']:>8.2f} {r['seconds']:>8.2f}")
     ratios = {}
     for which in PASSES:
-        old, new = (next(r for r in results if r["pass"] == which and r["path"] == p) for p in PATHS)
+        old, logits, new = (next(r for r in results if r["pass"] == which and r["path"] == p) for p in PATHS)
         ratios[which] = round(old["added_gb"] / max(new["added_gb"], 1e-9), 2)
+        ratios[f"{which}_logits"] = round(logits["added_gb"] / max(new["added_gb"], 1e-9), 2)
         # The same values either way (bf16 matmuls over different shapes may round differently).
         print(
-            f"{which}: before / now = {ratios[which]}x memory added; logprob (distill: loss) sums "
-            f"{old['logprob_sum']:.1f} and {new['logprob_sum']:.1f}"
+            f"{which}: before / now = {ratios[which]}x, logits / now = {ratios[which + '_logits']}x memory "
+            f"added; logprob (distill: loss) sums {old['logprob_sum']:.1f}, {logits['logprob_sum']:.1f}, "
+            f"{new['logprob_sum']:.1f}"
         )
     print(json.dumps({"results": results, "ratios": ratios}))
 

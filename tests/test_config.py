@@ -301,6 +301,18 @@ def test_config_without_pipeline_lists_pipelines(tmp_path: Path) -> None:
             ["sft_warm_start.batch_size=10", "sft_warm_start.world_size=3"],
             ["sft_warm_start.batch_size (10)", "sft_warm_start.world_size (3)"],
         ),
+        (
+            ["actor.world_size=2", "actor.sequence_parallel_size=2"],
+            ["actor.sequence_parallel_size is 2", "model.attn_implementation is sdpa", "sdpa_varlen"],
+        ),
+        (
+            ["actor.world_size=3", "actor.sequence_parallel_size=3", "model.attn_implementation=sdpa_varlen"],
+            ["actor.sequence_parallel_size is 3", "4 attention heads do not divide"],
+        ),
+        (
+            ["sft_warm_start.sequence_parallel_size=2", "model.attn_implementation=sdpa_varlen"],
+            ["sft_warm_start.sequence_parallel_size is 2", "does not divide the 1 ranks"],
+        ),
     ],
     ids=[
         "rollout_batch_vs_rollout_world",
@@ -320,6 +332,9 @@ def test_config_without_pipeline_lists_pipelines(tmp_path: Path) -> None:
         "eval_without_eval_path",
         "nonpositive_lr",
         "sft_batch_vs_world",
+        "sequence_parallel_needs_sdpa_varlen",
+        "sequence_parallel_vs_heads",
+        "sequence_parallel_vs_world",
     ],
 )
 def test_impossible_combination_is_rejected(overrides: list[str], expected: list[str]) -> None:

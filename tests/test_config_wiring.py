@@ -129,6 +129,20 @@ def test_micro_batch_tokens_reaches_the_trainer() -> None:
     assert plan.actor.micro_batch_tokens == 512 and plan.critic.micro_batch_tokens == 256
 
 
+def test_sequence_parallel_size_reaches_the_trainers_the_reference_and_their_dispatch() -> None:
+    """The actor's and critic's own, and the reference's from the actor's (it scores on the actor's ranks);
+    each role's clusters split their rows over sequence groups (``Role.sequence_parallel_size``)."""
+    from roll.pipelines.worker_specs import policy_roles
+
+    cfg = base_config()
+    cfg.actor.sequence_parallel_size, cfg.critic.sequence_parallel_size = 2, 4
+    cfg.algorithm.kl_coef = 0.1
+    plan = plan_of(cfg)
+    roles = policy_roles(cfg, plan, {})
+    sizes = {name: role.sequence_parallel_size for name, role in roles.items()}
+    assert sizes == {"actor": 2, "critic": 4, "rollout": 1, "reference": 2}
+
+
 def test_rollout_options_reach_the_engine_and_the_sampler() -> None:
     cfg = base_config()
     cfg.rollout.max_running_requests, cfg.rollout.top_k, cfg.rollout.max_new_tokens = 3, 5, 7

@@ -270,13 +270,13 @@ def test_chunks_of_positions_give_the_whole_tensors_values_and_gradients(monkeyp
     """The teacher's top-k and the student's support are computed a few positions at a time (here 2 of the
     6, so 3 chunks) with no float32 copy of the whole logits: values and gradients are the one-pass ones."""
     import roll.algorithms.functional as F
-    from roll.algorithms.distillation import _support
+    from roll.algorithms.distillation import support_logprobs
 
     teacher, student = logits(20).bfloat16(), logits(21)
     whole_indices = torch.topk(teacher.float(), 3, dim=-1).indices
-    whole_teacher = _support(teacher.float(), whole_indices, tail)
+    whole_teacher = support_logprobs(teacher.float(), whole_indices, tail)
     plain = student.clone().requires_grad_()
-    whole_student = _support(plain, whole_indices, tail)
+    whole_student = support_logprobs(plain, whole_indices, tail)
     monkeypatch.setattr(F, "_LOGIT_CHUNK_ELEMENTS", 2 * V)
     indices, teacher_logprobs = teacher_topk(teacher, 3, tail)
     assert torch.equal(indices, whole_indices)

@@ -135,7 +135,7 @@ def test_sdpa_varlen_attends_within_each_packed_sequence_with_no_mask(
     monkeypatch.setattr(
         varlen_attention.F,
         "scaled_dot_product_attention",
-        lambda q, *a, **k: (q.dim() == 3 and calls.append(q.shape[1])) or sdpa(q, *a, **k),
+        lambda q, *a, **k: (q.shape[0] == 1 and calls.append(q.shape[2])) or sdpa(q, *a, **k),
     )
     results = {}
     for name, m in (("padded", padded_model), ("packed", model)):
@@ -143,8 +143,9 @@ def test_sdpa_varlen_attends_within_each_packed_sequence_with_no_mask(
         (logprobs.sum() + entropy.sum()).backward()
         results[name] = logprobs.detach(), {n: p.grad for n, p in m.named_parameters()}
     assert seen == [{"ids": (1, 18), "mask": False}]
-    # One unbatched call per row (one layer) over its 3 + 3, 5 + 2 and 1 + 4 attended tokens; the padded
-    # model's one batched call is not counted.
+    # One call per row (one layer) over its 3 + 3, 5 + 2 and 1 + 4 attended tokens, each a batch of one
+    # (sdpa's fused kernel: without a batch dimension a CPU takes the math path and holds [H, l, l]); the
+    # padded model's one call over its three rows is not counted.
     assert calls == [6, 7, 5]
     torch.testing.assert_close(results["packed"][0], results["padded"][0], atol=1e-5, rtol=1e-5)
     for name, grad in results["padded"][1].items():

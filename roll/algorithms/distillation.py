@@ -86,7 +86,7 @@ def support_size(k: int, tail: str) -> int:
     return k if tail == "renormalize" else k + 1
 
 
-def _support(logits: torch.Tensor, indices: torch.Tensor, tail: str) -> torch.Tensor:
+def support_logprobs(logits: torch.Tensor, indices: torch.Tensor, tail: str) -> torch.Tensor:
     """The distribution of ``logits [..., V]`` on ``indices [..., k]`` under ``tail``: ``[..., S]``."""
     _check_tail(tail)
     k, vocab = indices.shape[-1], logits.shape[-1]
@@ -129,7 +129,7 @@ def teacher_topk(teacher_logits: torch.Tensor, k: int, tail: str) -> tuple[torch
             chunk = _at_least_float32(chunk)
             top = torch.topk(chunk, k, dim=-1).indices
             indices.append(top)
-            logprobs.append(_support(chunk, top, tail))
+            logprobs.append(support_logprobs(chunk, top, tail))
     width = support_size(k, tail)
     if not indices:
         empty = flat.new_zeros((*lead, k), dtype=torch.long)
@@ -166,7 +166,7 @@ def student_on_support(student_logits: torch.Tensor, indices: torch.Tensor, tail
 
 
 def _student_support(rows: torch.Tensor, indices: torch.Tensor, tail: str) -> torch.Tensor:
-    return _support(_at_least_float32(rows), indices, tail)
+    return support_logprobs(_at_least_float32(rows), indices, tail)
 
 
 def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,7 @@ def validate_agentic(cfg: AgenticConfig) -> list[str]:
             )
     warm = cfg.sft_warm_start
     if warm is not None:
-        problems += check_sft_train(warm, "sft_warm_start")
+        problems += check_sft_train(warm, "sft_warm_start", cfg.model)
         problems += check_registry("sft_warm_start.expert", warm.expert, AGENTS)
         if warm.expert in AGENTS:
             problems += check_kwargs(

@@ -35,6 +35,16 @@ class OptimizerConfig:
         "(transformers' gradient checkpointing, non-reentrant, applied before FSDP2): activation memory "
         "of one block instead of all, for about one more forward per step.",
     )
+    sequence_parallel_size: int = option(
+        1,
+        gt=0,
+        help="Ulysses sequence parallelism: this many consecutive ranks share each packed micro-batch, "
+        "each running the model on 1/S of its tokens (attention over all of them through two "
+        "all-to-alls), so activation memory per rank drops about S times. They get the same samples; "
+        "data parallelism is world_size / S. Needs model.attn_implementation=sdpa_varlen and attention "
+        "heads divisible by S (KV heads are repeated when they are not); a reference model on these ranks "
+        "splits the same way. Checked before the run starts.",
+    )
 
 
 @dataclass

@@ -35,7 +35,7 @@ def validate_distill(cfg: DistillConfig) -> list[str]:
     problems = out_of_bounds(cfg) or trainer_devices(cfg) or resolve_teacher(cfg)
     if problems:  # the checks below divide by these
         return problems
-    problems = check_common(cfg) + check_data_files(cfg) + check_sft_train(cfg.train, "train")
+    problems = check_common(cfg) + check_data_files(cfg) + check_sft_train(cfg.train, "train", cfg.model)
     problems += check_sequence_fits(cfg.model, cfg.data.max_prompt_length, cfg.eval.max_new_tokens)
     problems += check_reward("reward", cfg.reward)
     problems += check_model_dir("teacher.model_path", cfg.teacher.model_path)

@@ -12,6 +12,7 @@ from roll.config.validation import (
     check_registry,
     check_reward,
     check_sequence_fits,
+    check_sequence_parallel,
     check_tiny_model,
     check_tracking,
     trainer_devices,
@@ -37,6 +38,7 @@ def validate_dpo(cfg: DPOConfig) -> list[str]:
     problems += check_divides(
         "actor.world_size", cfg.actor.world_size, "actor.batch_size", cfg.actor.batch_size
     )
+    problems += check_sequence_parallel("actor", cfg.actor, cfg.model)
     problems += check_sequence_fits(cfg.model, cfg.data.max_prompt_length, cfg.data.max_completion_length)
     if cfg.eval.prompts_path:
         problems += check_sequence_fits(cfg.model, cfg.data.max_prompt_length, cfg.eval.max_new_tokens)

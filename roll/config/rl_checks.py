@@ -23,6 +23,7 @@ from roll.config.validation import (
     check_registry,
     check_reward,
     check_sequence_fits,
+    check_sequence_parallel,
     check_sft_train,
 )
 from roll.data.columns import check_columns
@@ -332,8 +333,10 @@ def check_policy_training(cfg: RLVRConfig | AgenticConfig) -> list[str]:
     if rollout.hybrid_engine:
         problems += check_hybrid_engine(cfg)
     problems += check_update_batches("actor", cfg.actor, samples, rollout.num_return_sequences)
+    problems += check_sequence_parallel("actor", cfg.actor, cfg.model)
     if cfg.critic is not None:
         problems += check_update_batches("critic", cfg.critic, samples, rollout.num_return_sequences)
+        problems += check_sequence_parallel("critic", cfg.critic, cfg.model, cfg.critic.model_path)
     return problems + check_algorithm(cfg) + check_inference_engine(cfg) + check_lora(cfg)
 
 
@@ -363,7 +366,7 @@ def validate_rlvr(cfg: RLVRConfig) -> list[str]:
         cfg.model, cfg.data.max_prompt_length, max(rollout.max_new_tokens, cfg.eval.max_new_tokens)
     )
     if cfg.sft_warm_start is not None:
-        problems += check_sft_train(cfg.sft_warm_start, "sft_warm_start")
+        problems += check_sft_train(cfg.sft_warm_start, "sft_warm_start", cfg.model)
     return problems + check_onpolicy_distill(cfg)
 
 

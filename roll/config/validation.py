@@ -96,8 +96,37 @@ def check_eval(eval_cfg: EvalConfig, eval_path: str | None) -> list[str]:
     return []
 
 
-def check_sft_train(train: SFTTrainConfig, prefix: str) -> list[str]:
-    return check_divides(f"{prefix}.world_size", train.world_size, f"{prefix}.batch_size", train.batch_size)
+def check_sft_train(train: SFTTrainConfig, prefix: str, model: ModelConfig) -> list[str]:
+    problems = check_divides(
+        f"{prefix}.world_size", train.world_size, f"{prefix}.batch_size", train.batch_size
+    )
+    return problems + check_sequence_parallel(prefix, train, model)
+
+
+def check_sequence_parallel(
+    prefix: str, section: Any, model: ModelConfig, path: str | None = None
+) -> list[str]:
+    """``<prefix>.sequence_parallel_size`` against the section's world size, the attention kernel and the
+    heads of the model it trains (``path``, else ``model``'s)."""
+    size = getattr(section, "sequence_parallel_size", 1)
+    if size == 1:
+        return []
+    import json
+    import types
+
+    from roll.strategies.sequence_parallel import sequence_parallel_problem
+
+    path = path or model.path
+    if path is not None:
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            return []  # check_model_dir names the missing model
+        config = json.loads(config_file.read_text(), object_hook=lambda d: types.SimpleNamespace(**d))
+    else:
+        config = types.SimpleNamespace(num_attention_heads=model.tiny.num_attention_heads)
+    world_size = section.world_size or 1
+    problem = sequence_parallel_problem(size, world_size, config, model.attn_implementation)
+    return [f"{prefix}.sequence_parallel_size is {size}, but {problem}"] if problem else []
 
 
 def check_tiny_model(model: ModelConfig) -> list[str]:
@@ -215,7 +244,7 @@ def validate_sft(cfg: SFTConfig) -> list[str]:
     if problems:
         return problems
     problems = check_common(cfg) + check_data_files(cfg) + check_no_inference_roles(cfg.model, "sft")
-    problems += check_sft_train(cfg.train, "train")
+    problems += check_sft_train(cfg.train, "train", cfg.model)
     problems += check_sequence_fits(cfg.model, cfg.data.max_prompt_length, cfg.eval.max_new_tokens)
     problems += check_reward("reward", cfg.reward)
     if cfg.checkpoint.standby_workers:

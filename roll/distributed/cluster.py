@@ -19,7 +19,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
-from roll.distributed.dispatch import DISPATCH_MODES, Dispatch
+from roll.distributed.dispatch import Dispatch, dispatch_mode
 from roll.distributed.errors import WorkerError, WorkerTimeoutError, WorkerUnresponsiveError
 from roll.distributed.liveness import HEALTH_GROUP, Liveness, RankHealth, RankWatch, WatchedRank
 from roll.distributed.placement import RankPlacement
@@ -133,6 +133,7 @@ class Cluster:
         plugins: Sequence[str] = (),
         placements: Sequence[RankPlacement] | None = None,
         liveness: Liveness | None = None,
+        sequence_parallel_size: int = 1,
     ):
         """``plugins``: modules every worker imports at start (a config's ``imports``), found from the
         driver's working directory as well as the installed packages. ``placements`` (from
@@ -141,12 +142,19 @@ class Cluster:
         (name -> threads) for methods marked ``@ray.method(concurrency_group=...)``: those run beside the rest
         (e.g. an abort reaching a rollout engine while it generates); every worker also answers heartbeats
         that way. ``liveness`` says how long a silent rank is tolerated while a call waits on it and how often
-        long calls report progress (``roll.distributed.liveness``)."""
+        long calls report progress (``roll.distributed.liveness``). ``sequence_parallel_size``: each run of
+        that many consecutive ranks shares its rows (``dispatch_mode``)."""
         if world_size < 1:
             raise ValueError(f"{role}: world_size must be >= 1 (got {world_size})")
         if placements is not None and len(placements) != world_size:
             raise ValueError(f"{role}: {len(placements)} placements given for world_size {world_size}")
+        if world_size % sequence_parallel_size:
+            raise ValueError(
+                f"{role}: sequence_parallel_size {sequence_parallel_size} does not divide "
+                f"world_size {world_size}"
+            )
         self.role, self.world_size, self.timeout_s = role, world_size, timeout_s
+        self.sequence_parallel_size = sequence_parallel_size
         # Fractional/zero CPU requests: the stages of one step run one after another, so actors
         # time-share the cores instead of each reserving one (a 2-core laptop holds every role).
         groups = {HEALTH_GROUP: 1, **getattr(worker_cls, "concurrency_groups", {})}
@@ -180,7 +188,7 @@ class Cluster:
             setattr(self, name, self._make_caller(name, mode))
 
     def _make_caller(self, name: str, mode: Dispatch) -> Callable[..., Any]:
-        dispatch = DISPATCH_MODES[mode]
+        dispatch = dispatch_mode(mode, self.sequence_parallel_size)
 
         def call(*args: Any, blocking: bool = True, **kwargs: Any) -> Any:
             per_rank = dispatch.split(self.world_size, args, kwargs)

@@ -105,6 +105,24 @@ def is_max_metric(name: str) -> bool:
     return name.endswith("_max")
 
 
+def dispatch_mode(mode: Dispatch, replicas: int = 1) -> DispatchMode:
+    """How ``mode`` splits and collects on a cluster whose ranks hold each data-parallel shard ``replicas``
+    times over (consecutive ranks: a sequence-parallel group, ``roll.strategies.sequence_parallel``):
+    DP_COMPUTE splits Batches into world_size / replicas shards, gives each to its group's every rank, and
+    keeps the first rank's result of each group (the others computed the same)."""
+    if mode is not Dispatch.DP_COMPUTE or replicas == 1:
+        return DISPATCH_MODES[mode]
+
+    def split(world_size: int, args: tuple, kwargs: dict) -> RankArgs:
+        shards = split_data_parallel(world_size // replicas, args, kwargs)
+        return [shards[rank // replicas] for rank in range(world_size)]
+
+    def collect(results: list[Any]) -> Any:
+        return collect_data_parallel(results[::replicas])
+
+    return DispatchMode(split, collect)
+
+
 DISPATCH_MODES: dict[Dispatch, DispatchMode] = {
     Dispatch.ONE_TO_ALL: DispatchMode(split_one_to_all, collect_list),
     Dispatch.ALL_TO_ALL: DispatchMode(split_all_to_all, collect_list),

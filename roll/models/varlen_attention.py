@@ -67,9 +67,16 @@ def varlen_attention_forward(
     """transformers' attention-function contract: ``query`` [B, H, L, D] and ``key``/``value``
     [B, H_kv, L, D] in, [B, L, H, D] out. Causal attention within each packed sequence of a one-row
     batch (attention dropout, when training with it, through the per-sequence calls; sliding-window
-    layers refused); anything else goes to ``sdpa``."""
+    layers refused); anything else goes to ``sdpa``. With a ``sequence_shard`` keyword the batch is this
+    rank's slice of the pack, and attention runs over the whole of it (sequence parallelism)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    shard = kwargs.pop("sequence_shard", None)
+    if shard is not None:  # this rank holds a slice of the pack (``roll.strategies.sequence_parallel``)
+        from roll.models.ulysses_attention import ulysses_attention
+
+        options = dict(dropout=dropout, scaling=scaling, sliding_window=sliding_window, **kwargs)
+        return ulysses_attention(varlen_attention_forward, module, query, key, value, shard, **options)
     position_ids = kwargs.get("position_ids")
     if not _packed(query, key, attention_mask, position_ids):
         return sdpa_attention_forward(
@@ -96,17 +103,19 @@ def varlen_attention_forward(
         out = _torch_varlen(q, k, v, offsets.to(q.device), longest, scaling)
     else:
         bounds = offsets.tolist()
+        # [1, H, l, D] per sequence: with a batch dimension sdpa takes its fused (flash) kernel on a CPU
+        # too; without one it falls back to the math path, which holds the [H, l, l] scores.
         out = torch.cat(
             [
                 F.scaled_dot_product_attention(
-                    q[start:end].transpose(0, 1),
-                    k[start:end].transpose(0, 1),
-                    v[start:end].transpose(0, 1),
+                    q[None, start:end].transpose(1, 2),
+                    k[None, start:end].transpose(1, 2),
+                    v[None, start:end].transpose(1, 2),
                     dropout_p=dropout,
                     is_causal=True,
                     scale=scaling,
                     enable_gqa=k.shape[1] != q.shape[1],
-                ).transpose(0, 1)
+                )[0].transpose(0, 1)
                 for start, end in zip(bounds[:-1], bounds[1:])
             ]
         )

@@ -79,7 +79,11 @@ class DPOPipeline(TrainerPipeline):
         )
         roles = {"actor": Role("actor", ActorWorker, self.world_size, spec, trainer=True)}
         if cfg.reference.source == "worker":  # on the actor's devices, taking turns with it
-            reference = ReferenceSpec(model, collective_timeout_s=cfg.ray.call_timeout_s)
+            reference = ReferenceSpec(
+                model,
+                collective_timeout_s=cfg.ray.call_timeout_s,
+                sequence_parallel_size=spec.sequence_parallel_size,
+            )
             ranks = ("reference", ReferenceWorker, self.world_size, reference)
             roles["reference"] = Role(*ranks, replaceable=True)
         return roles

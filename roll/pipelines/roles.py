@@ -51,6 +51,18 @@ class Role:
     replaceable: bool = False
     loads_model: bool = True
 
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Consecutive ranks that share their rows (the spec's ``sequence_parallel_size``; 1 without)."""
+        return getattr(self.spec, "sequence_parallel_size", 1)
+
+    def cluster(self, placements: Sequence[RankPlacement] | None, **options: Any) -> Cluster:
+        """This role's ranks, started on ``placements`` (None: CPU ranks placed by Ray)."""
+        ranks = (self.name, self.worker, self.world_size, self.spec)
+        return Cluster(
+            *ranks, placements=placements, sequence_parallel_size=self.sequence_parallel_size, **options
+        )
+
 
 class RoleSet:
     """The live cluster of each role, in the order the roles are declared, and with ``standby`` one idle
@@ -91,8 +103,7 @@ class RoleSet:
         return place_role(self.devices[name], self.device_table)
 
     def _start_cluster(self, role: Role) -> Cluster:
-        ranks = (role.name, role.worker, role.world_size, role.spec)
-        return Cluster(*ranks, placements=self.placements(role.name), **self.cluster_options)
+        return role.cluster(self.placements(role.name), **self.cluster_options)
 
     @contextlib.contextmanager
     def on_device(self, *names: str, metrics: dict[str, float] | None = None) -> Iterator[None]:

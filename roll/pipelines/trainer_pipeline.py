@@ -132,8 +132,7 @@ class TrainerPipeline(RunLoop):
         """Start each role's ranks on the caller's ``placements`` (an RL warm start on the actor's)."""
 
         def make(role: Role) -> Cluster:
-            ranks = (role.name, role.worker, role.world_size, role.spec)
-            return Cluster(*ranks, placements=placements, **cluster_options(self.config))
+            return role.cluster(placements, **cluster_options(self.config))
 
         return make
 

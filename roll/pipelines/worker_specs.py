@@ -117,7 +117,11 @@ def policy_roles(cfg: RLVRConfig, plan: WorkerPlan, extra: dict[str, Role]) -> d
         spec = ReferenceSpec(model, collective_timeout_s=cfg.ray.call_timeout_s)
         roles.append(Role(teacher_role(name), ReferenceWorker, teacher.world_size, spec, replaceable=True))
     if reference_workers(cfg):
-        spec = ReferenceSpec(plan.actor.model, collective_timeout_s=cfg.ray.call_timeout_s)
+        spec = ReferenceSpec(
+            plan.actor.model,
+            collective_timeout_s=cfg.ray.call_timeout_s,
+            sequence_parallel_size=plan.actor.sequence_parallel_size,  # on the actor's ranks
+        )
         roles.append(Role("reference", ReferenceWorker, cfg.actor.world_size, spec, replaceable=True))
     return {role.name: role for role in roles}
 

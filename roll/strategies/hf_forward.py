@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,8 @@ from roll.algorithms.functional import entropy_from_logits, logprobs_from_logits
 from roll.data.batch import Batch
 from roll.data.masks import last_index
 from roll.data.padding import position_ids_from_mask
+from roll.strategies.sequence_parallel import sequence_group_of, split_pack
+from roll.strategies.streaming_head import Score, head_scores, streamable_head
 
 # Attention kernels that take packed rows without a mask over the whole pack: FlashAttention's varlen
 # kernels, which transformers uses when position ids restart inside a row and no attention mask is given,
@@ -46,12 +49,28 @@ class _ResponseOutputs:
 
     outputs: torch.Tensor  # [B, L, ...] padded, or [1, N, ...] packed (N attended response tokens)
     targets: torch.Tensor  # the response ids predicted there: [B, L] or [1, N]
-    place: Callable[[torch.Tensor], torch.Tensor]  # one value per target -> [B, R], 0 where not attended
+    # values [..., C?] per target -> [B, R, C?], 0 where not attended
+    place: Callable[[torch.Tensor], torch.Tensor]
 
 
-def _response_outputs(model: torch.nn.Module, batch: Batch, packed: bool | None = None) -> _ResponseOutputs:
+@dataclass
+class HeadScores:
+    """What a streamed head computes at each kept position instead of logits (``streaming_head``):
+    ``score(logits / temperature, response id, *per_position rows) -> [r, C]``, with ``per_position``
+    tensors laid out [B, R, ...] beside ``response_ids``."""
+
+    head: torch.nn.Linear
+    score: Score
+    per_position: tuple[torch.Tensor, ...] = ()
+    temperature: float = 1.0
+
+
+def _response_outputs(
+    model: torch.nn.Module, batch: Batch, packed: bool | None = None, scores: HeadScores | None = None
+) -> _ResponseOutputs:
     """Run ``model`` on prompt + response and keep its outputs at the positions that *predict* each
-    response token (position t-1 for token t).
+    response token (position t-1 for token t). With ``scores`` the head streams: the outputs are the
+    scores [..., C], and no logits exist for all positions at once.
 
     Padded (sdpa, eager): [B, L, ...] over the response columns up to the last attended one. Columns after
     it cost compute and change nothing, so they are dropped (found by index: a response mask with a hole
@@ -73,10 +92,19 @@ def _response_outputs(model: torch.nn.Module, batch: Batch, packed: bool | None 
         packed = packs_sequences(model)
 
     if not packed:
+        if torch.is_grad_enabled() and sequence_group_of(model) is not None:
+            # Every rank of the group would run the whole batch: its gradient would count S times.
+            raise ValueError("a sequence-parallel model trains on packed rows only (sdpa_varlen)")
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         predicting = torch.arange(prompt_length - 1, prompt_length - 1 + length, device=input_ids.device)
-        outputs = _forward_at(model, inputs, predicting, options)
-        return _ResponseOutputs(outputs, response_ids, lambda values: _pad_to(values * response_mask, width))
+        with _streamed(scores, response_ids, lambda values: values[:, :length]):
+            outputs = _forward_at(model, inputs, predicting, options)
+
+        def place_padded(values: torch.Tensor) -> torch.Tensor:
+            mask = response_mask.view(*response_mask.shape, *(1,) * (values.dim() - 2))
+            return pad_columns(values * mask, width)
+
+        return _ResponseOutputs(outputs, response_ids, place_padded)
 
     attended = attention_mask.bool()
     # A token's place in the pack (row-major over attended tokens); a response token is predicted by the
@@ -85,15 +113,39 @@ def _response_outputs(model: torch.nn.Module, batch: Batch, packed: bool | None 
     response_attended = attended[:, prompt_length:]
     predicting = packed_index[:, prompt_length:][response_attended] - 1
     inputs = {"input_ids": input_ids[attended][None], "position_ids": position_ids[attended][None]}
-    outputs = _forward_at(model, inputs, predicting, options)
     targets = response_ids[response_attended][None]
+
+    def kept(values: torch.Tensor) -> torch.Tensor:
+        return values[:, :length][response_attended][None]
+
+    group = sequence_group_of(model)
+    if group is None:
+        with _streamed(scores, targets, kept):
+            outputs = _forward_at(model, inputs, predicting, options)
+    else:  # this rank runs the model on its slice of the pack; every rank gets every kept output
+        ids, positions, predicting, here, shard = split_pack(group, *inputs.values(), predicting)
+        inputs = {"input_ids": ids, "position_ids": positions}
+        with _streamed(scores, targets[:, here], lambda values: kept(values)[:, here]):
+            outputs = _forward_at(model, inputs, predicting, {**options, "sequence_shard": shard})
+        outputs = shard.gather(outputs)
     where = response_attended.nonzero(as_tuple=True)
 
     def place(values: torch.Tensor) -> torch.Tensor:
-        laid_out = values.new_zeros((rows, width))
-        return laid_out.index_put(where, values.reshape(-1))
+        laid_out = values.new_zeros((rows, width, *values.shape[2:]))
+        return laid_out.index_put(where, values.reshape(-1, *values.shape[2:]))
 
     return _ResponseOutputs(outputs, targets, place)
+
+
+def _streamed(
+    scores: HeadScores | None, targets: torch.Tensor, kept: Callable[[torch.Tensor], torch.Tensor]
+) -> object:
+    """The head streaming ``scores`` for one forward pass (``kept`` lays [B, R, ...] tensors out as the
+    kept positions are), or nothing."""
+    if scores is None:
+        return nullcontext()
+    per_position = (kept(t.to(targets.device)) for t in scores.per_position)
+    return head_scores(scores.head, scores.score, targets, *per_position, temperature=scores.temperature)
 
 
 def _forward_at(
@@ -124,12 +176,34 @@ def response_logprobs(
     model: torch.nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities [B, R] of the response tokens under ``model`` (logits divided by ``temperature``,
-    as the sampler did), and their entropy [B, R] when asked. Positions past the response are 0."""
+    as the sampler did), and their entropy [B, R] when asked. Positions past the response are 0.
+
+    The head streams when the model allows (``streamable_head``): the logits never exist for all
+    positions, in the forward pass or the backward."""
+    head = streamable_head(model)
+    if head is not None:
+        score = _logprob_and_entropy if with_entropy else _logprob
+        found = _response_outputs(model, batch, scores=HeadScores(head, score, temperature=temperature))
+        logprobs = found.place(found.outputs[..., 0])
+        entropy = found.place(found.outputs[..., 1]) if with_entropy else None
+        return logprobs, entropy
     found = _response_outputs(model, batch)
     # No float32 or temperature-scaled copy of the logits: the helpers do both a chunk of rows at a time.
     logprobs = found.place(logprobs_from_logits(found.outputs, found.targets, temperature))
     entropy = found.place(entropy_from_logits(found.outputs, temperature)) if with_entropy else None
     return logprobs, entropy
+
+
+def _logprob(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    picked = logits.gather(-1, targets.unsqueeze(-1))
+    return picked - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
+def _logprob_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    log_normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
+    picked = logits.gather(-1, targets.unsqueeze(-1)) - log_normalizer
+    entropy = log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1, keepdim=True)
+    return torch.cat([picked, entropy], dim=-1)
 
 
 def response_values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -185,6 +259,20 @@ def pair_logprobs(
     sums, counts = (logprobs * mask).sum(dim=1), mask.sum(dim=1)
     size = len(batch)
     return sums[:size], sums[size:], counts[:size], counts[size:]
+
+
+def response_scores(
+    model: torch.nn.Module, batch: Batch, score: Score, *per_position: torch.Tensor
+) -> torch.Tensor | None:
+    """``score(logits, response id, *per_position rows) -> [r, C]`` at each response position, by a
+    streamed head: [B, R, C], 0 where not attended, with the per-position tensors laid out [B, R, ...].
+    Packed when the model packs (and so sequence-parallel when it is). None when the model's head cannot
+    stream."""
+    head = streamable_head(model)
+    if head is None:
+        return None
+    found = _response_outputs(model, batch, scores=HeadScores(head, score, per_position))
+    return found.place(found.outputs)
 
 
 def response_logits(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

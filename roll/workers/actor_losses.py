@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -24,7 +25,13 @@ import torch
 from roll.algorithms.functional import masked_mean
 from roll.data.batch import Batch
 from roll.data.masks import loss_mask
-from roll.strategies.hf_forward import pair_logprobs, response_logits, response_logprobs
+from roll.strategies.hf_forward import (
+    pad_columns,
+    pair_logprobs,
+    response_logits,
+    response_logprobs,
+    response_scores,
+)
 
 Loss = tuple[torch.Tensor, dict[str, float]]
 
@@ -200,23 +207,39 @@ def distill_loss(model: torch.nn.Module, micro: Batch, denominator: float, spec:
 def distill_terms(
     model: torch.nn.Module, micro: Batch, spec: DistillLossSpec
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per trained token [B, L]: the configured divergence, the forward KL to the teacher, the response
-    tokens' logprobs; and the loss mask cut to L."""
+    """Per trained token [B, R]: the configured divergence, the forward KL to the teacher, the response
+    tokens' logprobs; and the loss mask."""
     from roll.algorithms.distillation import DISTILL_OBJECTIVES, forward_kl, student_on_support
     from roll.algorithms.functional import logprobs_from_logits
 
-    logits, response_ids = response_logits(model, micro)
-    length = logits.shape[1]
-    # No float32 copy of the logits: the support and the logprobs upcast a chunk of positions at a time.
-    teacher = micro["teacher_logprobs"][:, :length].float()
-    student = student_on_support(logits, micro["teacher_indices"][:, :length].long(), spec.tail)
+    indices = micro["teacher_indices"].long()
+    streamed = response_scores(model, micro, partial(_support_and_logprob, tail=spec.tail), indices)
+    if streamed is not None:  # the head streamed: no logits for all positions, nor their gradient
+        student, logprobs = streamed[..., :-1], streamed[..., -1]
+    else:  # no float32 copy of the logits: the support and the logprobs upcast a chunk of rows at a time
+        logits, response_ids = response_logits(model, micro)
+        width = indices.shape[1]
+        student = pad_columns(student_on_support(logits, indices[:, : logits.shape[1]], spec.tail), width)
+        logprobs = pad_columns(logprobs_from_logits(logits, response_ids), width)
+    teacher = micro["teacher_logprobs"].float()
     divergence = DISTILL_OBJECTIVES.get(spec.objective)(teacher, student, beta=spec.beta)
-    mask = loss_mask(micro)[:, :length].float()
+    mask = loss_mask(micro).float()
     # Zero where not trained: padding positions hold zeros, which are no distribution.
     keep = mask.bool()
     divergence = torch.where(keep, divergence, torch.zeros_like(divergence))
     kl = torch.where(keep, forward_kl(teacher, student), torch.zeros_like(divergence))
-    return divergence, kl, logprobs_from_logits(logits, response_ids) * mask, mask
+    return divergence, kl, logprobs * mask, mask
+
+
+def _support_and_logprob(
+    logits: torch.Tensor, targets: torch.Tensor, indices: torch.Tensor, tail: str
+) -> torch.Tensor:
+    """A streamed head's score for distillation: the student on the teacher's support, then the
+    response token's logprob ([r, S + 1])."""
+    from roll.algorithms.distillation import support_logprobs
+
+    picked = logits.gather(-1, targets.unsqueeze(-1)) - torch.logsumexp(logits, dim=-1, keepdim=True)
+    return torch.cat([support_logprobs(logits, indices, tail), picked], dim=-1)
 
 
 LOSSES: dict[type, Callable[..., Loss]] = {

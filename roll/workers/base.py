@@ -15,6 +15,7 @@ from roll.data.batch import Batch
 from roll.distributed.dispatch import Dispatch
 from roll.distributed.worker import Worker, register
 from roll.strategies.requests import SamplingParams
+from roll.strategies.sequence_parallel import SequenceGroup
 
 
 @dataclass
@@ -93,6 +94,16 @@ class ModelWorker(Worker):
             world_size=self.world_size,
             timeout=timeout,
         )
+
+    def join_sequence_group(self, size: int) -> SequenceGroup:
+        """This rank's sequence group (``roll.strategies.sequence_parallel``; every rank calls this once the
+        process group is up), after checking that the model can be split so: refused before it loads."""
+        from roll.strategies.sequence_parallel import check_sequence_parallel, new_sequence_group
+
+        if size > 1:
+            spec: ModelSpec = self.config.model
+            check_sequence_parallel(self.role, size, self.world_size, spec.path, spec.attn_implementation)
+        return new_sequence_group(size)
 
     @register(Dispatch.ONE_TO_ALL)
     def shutdown(self) -> None:

@@ -23,6 +23,8 @@ class ReferenceSpec:
 
     model: ModelSpec
     collective_timeout_s: float = 600.0
+    # Ranks sharing each packed sequence (the trained model's, ``roll.strategies.sequence_parallel``).
+    sequence_parallel_size: int = 1
 
 
 class ReferenceWorker(ModelWorker):
@@ -34,18 +36,21 @@ class ReferenceWorker(ModelWorker):
     @register(Dispatch.ONE_TO_ALL)
     def setup(self, master_addr: str | None = None, master_port: int | None = None, **_: object) -> None:
         from roll.models.loading import build_causal_lm
+        from roll.strategies.sequence_parallel import set_sequence_group
         from roll.strategies.sharded_load import checkpoint_index, load_sharded, whole_model_report
 
         spec: ReferenceSpec = self.config
         model = spec.model
         self.set_up_process()
         index = checkpoint_index(model.path) if self.world_size > 1 else None
+        if index is not None or spec.sequence_parallel_size > 1:
+            self.join_process_group(master_addr, master_port, spec.collective_timeout_s)
+        group = self.join_sequence_group(spec.sequence_parallel_size)
         if index is None:
             self.model = self.load_model(model)
             why = "one rank" if self.world_size == 1 else "no safetensors files"
             self.load_report = whole_model_report(self.model, why)
         else:
-            self.join_process_group(master_addr, master_port, spec.collective_timeout_s)
             dtype = getattr(torch, model.dtype)
             self.model, self.load_report = load_sharded(
                 lambda: build_causal_lm(model.path, model.attn_implementation, dtype),
@@ -55,4 +60,5 @@ class ReferenceWorker(ModelWorker):
                 compute_dtype=None,  # held in the dtype it computes in: nothing to cast, no masters
                 scoring_only=True,
             )
+        set_sequence_group(self.model, group)
         self.model.eval()

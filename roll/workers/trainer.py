@@ -60,6 +60,8 @@ class TrainerSpec:
     nonfinite_grads: str = "skip"
     # Recompute each block's activations in backward (transformers' non-reentrant checkpointing).
     gradient_checkpointing: bool = False
+    # Ranks sharing each packed sequence (``roll.strategies.sequence_parallel``); they get the same rows.
+    sequence_parallel_size: int = 1
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -113,6 +115,7 @@ class TrainerWorker(ModelWorker):
         index = checkpoint_index(spec.model.path) if sharded else None
         if sharded:
             self.join_process_group(master_addr, master_port, spec.collective_timeout_s)
+        self.sequence_group = self.join_sequence_group(spec.sequence_parallel_size)
         if index is not None:
             # Each rank reads only its shard from the files: no rank holds the whole model.
             self.model, self.load_report = load_sharded(
@@ -141,9 +144,11 @@ class TrainerWorker(ModelWorker):
                 self.model = shard_model(self.model, compute_dtype if mixed else None)
         from roll.strategies.fsdp import settle_gradient_dtypes
         from roll.strategies.lora import is_lora
+        from roll.strategies.sequence_parallel import set_sequence_group
 
         if sharded and is_lora(self.model):
             settle_gradient_dtypes(self.model, self.device)
+        set_sequence_group(self.model, self.sequence_group)
         self.model.train()
         opt = spec.optimizer
         # The fused kernel updates every tensor in one pass instead of a loop of small kernels per tensor
@@ -195,7 +200,9 @@ class TrainerWorker(ModelWorker):
         if spec.mini_batches_per_epoch is not None:
             minis = batch.chunk(spec.mini_batches_per_epoch)
         else:
-            minis = batch.split((spec.mini_batch_size or len(batch) * self.world_size) // self.world_size)
+            # The ranks of a sequence group hold the same rows: a mini-batch is split over groups.
+            groups = self.world_size // self.sequence_group.size
+            minis = batch.split((spec.mini_batch_size or len(batch) * groups) // groups)
         metrics = [
             self.step_on(mini, loss_fn, loss_agg_mode) for _ in range(spec.ppo_epochs) for mini in minis
         ]
@@ -206,6 +213,7 @@ class TrainerWorker(ModelWorker):
         denominator = self.global_denominator(batch, loss_agg_mode)
         # FSDP averages gradients over ranks; the loss is already a share of the global sum, so undo that.
         # (Asking FSDP for a plain sum instead needs PREMUL_SUM, which gloo lacks.)
+        # The ranks of a sequence group each hold a part of their rows' gradient, summing to it.
         scale = float(self.world_size)
         step_metrics: dict[str, float] = {}
         for micro in self.micro_batches(batch):
@@ -250,7 +258,8 @@ class TrainerWorker(ModelWorker):
             return max(local, 1.0)
         total = torch.tensor([local], dtype=torch.float64)
         dist.all_reduce(total)
-        return max(float(total.item()), 1.0)
+        # The ranks of a sequence group hold the same rows: count them once.
+        return max(float(total.item()) / self.sequence_group.size, 1.0)
 
     def _sum_loss_terms_across_ranks(self, values: dict[str, float]) -> dict[str, float]:
         """Each rank holds its share of a globally normalised loss; report the whole on every rank."""
@@ -259,6 +268,7 @@ class TrainerWorker(ModelWorker):
             return values
         shares = torch.tensor([values[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(shares)
+        shares /= self.sequence_group.size  # each group's share is on each of its ranks
         return {**values, **dict(zip(keys, shares.tolist()))}
 
     def _optimizer_step(self) -> dict[str, float]:
