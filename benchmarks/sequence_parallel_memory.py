@@ -3,12 +3,13 @@ all of it (S=1) against two ranks of a sequence group holding half each (S=2, Ul
 ``roll.strategies.sequence_parallel``), at a real vocabulary (151,936, Qwen2's).
 
 Each rank is its own process (two gloo ranks on this machine for S=2), so each peak RSS is that rank's
-alone; "added" is the peak above the rank's memory once its model is loaded: the pass's activations,
-gradients and workspace, and its growth above a short (512-token) pass is the part that grows with the
-sequence (the head's chunk of logits and the weights' gradients are the same at any length). The model is
-a random two-block Qwen2 (hidden 512, 8 query and 4 KV heads) in float32 with ``sdpa_varlen`` (the packed
-kernel sequence parallelism needs); the pass is the train step's: the response tokens' logprobs through
-the streamed head, then the backward of their mean.
+alone; "saved" is what autograd keeps for the backward pass (the activations: every saved tensor's
+storage once, the weights not counted), "added" is the peak RSS above the rank's memory once its model is
+loaded: the pass's activations, gradients and workspace, and its growth above a short (512-token) pass is
+the part that grows with the sequence (the head's chunk of logits and the weights' gradients are the same
+at any length). The model is a random two-block Qwen2 (hidden 512, 8 query and 4 KV heads) in float32
+with ``sdpa_varlen`` (the packed kernel sequence parallelism needs); the pass is the train step's: the
+response tokens' logprobs through the streamed head, then the backward of their mean.
 
     python benchmarks/sequence_parallel_memory.py                       # 8k and 16k response tokens
     python benchmarks/sequence_parallel_memory.py --responses 4096      # a quicker look
@@ -79,9 +80,19 @@ def run_rank(size: int, rank: int, port: int, model_path: str, response: int) ->
             "response_mask": torch.ones(1, response, dtype=torch.long),
         }
     )
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}  # the activations autograd keeps for backward, by storage
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
     before = _rss_gb()
     start = time.perf_counter()
-    logprobs, _ = response_logprobs(model, batch)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        logprobs, _ = response_logprobs(model, batch)
     (-logprobs.mean()).backward()
     logprobs = logprobs.detach()
     seconds, peak = time.perf_counter() - start, _rss_gb()
@@ -98,6 +109,7 @@ def run_rank(size: int, rank: int, port: int, model_path: str, response: int) ->
         "loaded_gb": round(before, 3),
         "peak_gb": round(peak, 3),
         "added_gb": round(peak - before, 3),
+        "saved_gb": round(sum(saved.values()) / 2**30, 3),
         "seconds": round(seconds, 1),
         "logprob_sum": float(logprobs.double().sum()),
         "grad_abs_sum": grad_sum,
@@ -137,11 +149,15 @@ def main() -> None:
             two = measure(2, model_path, response)
             rows += [one, *two]
             most = max(r["added_gb"] for r in two)
+            most_saved = max(r["saved_gb"] for r in two)
             if response == args.base:  # the fixed part: the head's chunk of logits, the weights' gradients
                 base = {1: one["added_gb"], 2: most}
                 continue
             grows = (one["added_gb"] - base[1], most - base[2])
             summary[response] = {
+                "s1_saved_gb": one["saved_gb"],
+                "s2_saved_gb_per_rank": most_saved,
+                "saved_ratio": round(most_saved / one["saved_gb"], 3),
                 "s1_added_gb": one["added_gb"],
                 "s2_added_gb_per_rank": most,
                 "ratio": round(most / one["added_gb"], 2),
@@ -153,15 +169,19 @@ def main() -> None:
                 "same_grads": abs(two[0]["grad_abs_sum"] - one["grad_abs_sum"]) < 1e-4 * one["grad_abs_sum"],
             }
     print(f"one packed sequence of {PROMPT} prompt + N response tokens, vocabulary {VOCAB}, float32, CPU")
-    print(f"{'N':>6} {'S':>2} {'rank':>4} {'loaded GB':>10} {'added GB':>9} {'peak GB':>8} {'seconds':>8}")
+    print(
+        f"{'N':>6} {'S':>2} {'rank':>4} {'loaded GB':>10} {'saved GB':>9} {'added GB':>9} "
+        f"{'peak GB':>8} {'s':>6}"
+    )
     for r in rows:
         print(
-            f"{r['response']:>6} {r['size']:>2} {r['rank']:>4} {r['loaded_gb']:>10.2f} {r['added_gb']:>9.2f} "
-            f"{r['peak_gb']:>8.2f} {r['seconds']:>8.1f}"
+            f"{r['response']:>6} {r['size']:>2} {r['rank']:>4} {r['loaded_gb']:>10.2f} {r['saved_gb']:>9.3f} "
+            f"{r['added_gb']:>9.2f} {r['peak_gb']:>8.2f} {r['seconds']:>6.1f}"
         )
     for response, s in summary.items():
         print(
-            f"N={response}: S=2 adds {s['ratio']}x of S=1's memory per rank; above the {args.base}-token "
+            f"N={response}: S=2 keeps {s['saved_ratio']}x of S=1's activations for backward per rank, "
+            f"adds {s['ratio']}x of its peak RSS; above the {args.base}-token "
             f"pass (what grows with the sequence) {s['growth_ratio']}x (same logprobs: "
             f"{s['same_logprobs']}, same gradients: {s['same_grads']})"
         )

@@ -193,9 +193,9 @@ def test_data_parallel_dispatch_gives_a_sequence_group_one_shard() -> None:
 @pytest.mark.slow  # two short RLVR runs on Ray
 @pytest.mark.usefixtures("ray_session", "at_repo_root")
 def test_a_sequence_parallel_run_logs_what_the_data_parallel_one_does(tmp_path: Path) -> None:
-    """The quickstart without its warm start, two steps on two actor ranks with a KL term (so a reference
-    scores on those ranks too): as two sequence-parallel ranks, the same samples, rewards, losses, KL and
-    gradient norms as two data-parallel ones."""
+    """The quickstart without its warm start (16 samples a step), two steps on two actor ranks with a KL
+    term (so a reference scores on those ranks too): as two sequence-parallel ranks, the same rewards,
+    losses, KL, entropy and gradient norms as two data-parallel ones."""
     from test_pipelines_cli import metrics, train_in_process
 
     runs = {}
@@ -207,6 +207,8 @@ def test_a_sequence_parallel_run_logs_what_the_data_parallel_one_does(tmp_path: 
             "sft_warm_start=null",
             "steps=2",
             "eval.every_steps=0",
+            "rollout.rollout_batch_size=4",
+            "rollout.num_return_sequences=4",
             "tracking.backends=[jsonl]",
             "model.attn_implementation=sdpa_varlen",
             "actor.world_size=2",
