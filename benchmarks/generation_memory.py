@@ -44,21 +44,23 @@ class _Tokenizer:
         return [""] * len(ids)
 
 
-def build_large_vocab_model(directory: Path, max_positions: int = 1024) -> str:
-    """A random one-layer Qwen2 (hidden 64) with the 151,936-token vocabulary, saved at ``directory``: the
-    logits dominate its memory (``train_memory.py`` builds the same one)."""
+SMALL_SHAPE = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
+)
+
+
+def build_large_vocab_model(directory: Path, max_positions: int = 1024, **shape: int) -> str:
+    """A random Qwen2 with the 151,936-token vocabulary and tied embeddings, saved at ``directory``. By
+    default one layer of hidden 64 (``SMALL_SHAPE``), so the logits dominate its memory (``train_memory.py``
+    builds the same one); ``shape`` overrides its config fields."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
+        **{**SMALL_SHAPE, **shape},
     )
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(directory)

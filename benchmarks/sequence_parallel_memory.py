@@ -29,7 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-VOCAB = 151_936
+from generation_memory import VOCAB, build_large_vocab_model  # this directory: run as a script
+
 PROMPT = 64
 
 
@@ -38,22 +39,8 @@ def _rss_gb() -> float:
 
 
 def build_model(directory: Path, max_positions: int) -> str:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(directory)
-    return str(directory)
+    shape = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8)
+    return build_large_vocab_model(directory, max_positions, num_key_value_heads=4, **shape)
 
 
 def run_rank(size: int, rank: int, port: int, model_path: str, response: int) -> dict:
