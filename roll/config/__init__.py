@@ -2,7 +2,15 @@
 
 Importing this never imports torch or Ray."""
 
-from roll.config.common import DataConfig, EvalConfig, ModelConfig, RayConfig, TinyModelConfig, TrackingConfig
+from roll.config.common import (
+    DataConfig,
+    EvalConfig,
+    ModelConfig,
+    RayConfig,
+    TinyModelConfig,
+    TinyVisionConfig,
+    TrackingConfig,
+)
 from roll.config.loader import PIPELINE_CONFIGS, ConfigError, load_config, to_yaml, validate
 from roll.config.rlvr import (
     ActorConfig,
@@ -30,6 +38,7 @@ __all__ = [
     "SFTConfig",
     "SFTTrainConfig",
     "TinyModelConfig",
+    "TinyVisionConfig",
     "TrackingConfig",
     "load_config",
     "to_yaml",

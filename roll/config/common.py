@@ -45,6 +45,32 @@ class OptimizerConfig:
         "heads divisible by S (KV heads are repeated when they are not); a reference model on these ranks "
         "splits the same way. Checked before the run starts.",
     )
+    freeze_vision_tower: bool = option(
+        True,
+        help="A vision-language model's vision tower (Qwen2-VL's `visual`: patch embedding, blocks and the "
+        "merger into the text model) is not trained, as most recipes do: no gradient or optimizer state "
+        "for it. false trains it with the rest. No effect on a text-only model.",
+    )
+
+
+@dataclass
+class TinyVisionConfig:
+    """The vision tower of a tiny Qwen2-VL: 14-pixel patches, merged 2x2 into one token of the text model."""
+
+    depth: int = option(2, gt=0, help="Number of vision transformer blocks.")
+    embed_dim: int = option(
+        32, gt=0, help="Width of the vision blocks (the merger projects it to hidden_size)."
+    )
+    num_heads: int = option(
+        2, gt=0, help="Attention heads per vision block (embed_dim / num_heads: a multiple of 4)."
+    )
+    image_size: int = option(
+        56,
+        ge=28,
+        help="Images are resized by the image processor to at most image_size x image_size pixels and at "
+        "least 28x28 (aspect ratio kept, sides multiples of 28); a multiple of 28. 56: at most 4 tokens "
+        "an image.",
+    )
 
 
 @dataclass
@@ -59,6 +85,11 @@ class TinyModelConfig:
     intermediate_size: int = option(512, gt=0, help="Width of the MLP.")
     max_position_embeddings: int = option(64, gt=0, help="Longest sequence (prompt + response) in tokens.")
     seed: int = option(0, help="Seed for the random initial weights.")
+    vision: TinyVisionConfig | None = option(
+        None,
+        help="A vision tower: the tiny model becomes a Qwen2-VL (images in prompts, M-RoPE positions), saved "
+        "with its image processor; the tokenizer gains <|vision_start|>, <|vision_end|>, <|image_pad|>.",
+    )
 
 
 @dataclass

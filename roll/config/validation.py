@@ -14,7 +14,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from roll.config.common import EvalConfig, ModelConfig, TrackingConfig
+from roll.config.common import EvalConfig, ModelConfig, TinyModelConfig, TinyVisionConfig, TrackingConfig
 from roll.config.fields import out_of_bounds
 from roll.config.rlvr import RLVRConfig
 from roll.config.sft import SFTConfig, SFTTrainConfig
@@ -130,7 +130,8 @@ def check_sequence_parallel(
 
 
 def check_tiny_model(model: ModelConfig) -> list[str]:
-    """Attention shapes a tiny Qwen2 cannot be built with (found now, not when the model is built)."""
+    """Attention shapes a tiny Qwen2 (or Qwen2-VL) cannot be built with (found now, not when the model is
+    built)."""
     tiny = model.tiny
     if tiny is None or model.path is not None:
         return []
@@ -144,6 +145,41 @@ def check_tiny_model(model: ModelConfig) -> list[str]:
         problems.append(
             f"model.tiny.num_attention_heads ({tiny.num_attention_heads}) must be divisible by "
             f"model.tiny.num_key_value_heads ({tiny.num_key_value_heads})"
+        )
+    if tiny.vision is not None:
+        problems += check_tiny_vision(tiny, tiny.vision)
+    return problems
+
+
+def check_tiny_vision(tiny: TinyModelConfig, vision: TinyVisionConfig) -> list[str]:
+    """A tiny Qwen2-VL's shapes: M-RoPE splits each text head's rotary frequencies in three (temporal,
+    height, width), the vision blocks' 2-D rotary embedding splits theirs in four, and images are cut in
+    2x2 groups of 14-pixel patches."""
+    from roll.models.tiny import IMAGE_SIDE_FACTOR
+
+    problems = []
+    head_dim, remainder = divmod(tiny.hidden_size, tiny.num_attention_heads)
+    if not remainder and (head_dim % 2 or head_dim < 6):
+        problems.append(
+            f"model.tiny.vision: the text heads' width, model.tiny.hidden_size / num_attention_heads "
+            f"({head_dim}), must be even and at least 6 for M-RoPE's three parts"
+        )
+    if vision.embed_dim % vision.num_heads:
+        problems.append(
+            f"model.tiny.vision.embed_dim ({vision.embed_dim}) must be divisible by "
+            f"model.tiny.vision.num_heads ({vision.num_heads})"
+        )
+    elif (vision.embed_dim // vision.num_heads) % 4:
+        problems.append(
+            f"model.tiny.vision: the vision heads' width, embed_dim / num_heads "
+            f"({vision.embed_dim // vision.num_heads}), must be a multiple of 4 (its rotary embedding "
+            "covers height and width)"
+        )
+    if vision.image_size % IMAGE_SIDE_FACTOR:
+        problems.append(
+            f"model.tiny.vision.image_size ({vision.image_size}) must be a multiple of {IMAGE_SIDE_FACTOR} "
+            f"(2x2 patches of 14 pixels make one image token), e.g. "
+            f"{max(1, round(vision.image_size / IMAGE_SIDE_FACTOR)) * IMAGE_SIDE_FACTOR}"
         )
     return problems
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from roll.data.dataset import DatasetError
 from roll.data.formats import Located
+from roll.data.images import IMAGES  # noqa: F401 - a row field, as PROMPT and ANSWER are
 
 PROMPT = "prompt"
 ANSWER = "answer"

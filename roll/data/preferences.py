@@ -23,7 +23,7 @@ from typing import Any
 from roll.data.columns import map_columns
 from roll.data.dataset import DatasetError
 from roll.data.formats import read_rows
-from roll.data.messages import Messages, checked_prompt
+from roll.data.messages import Messages, checked_prompt, content_text
 from roll.data.prompts import check_representable, render_prompt
 
 PROMPT, CHOSEN, REJECTED = "prompt", "chosen", "rejected"
@@ -79,7 +79,7 @@ def load_preferences(
             name: _checked_completion(row[name], where, columns.get(name, name), prompt)
             for name in COMPLETIONS
         }
-        texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+        texts = [prompt] if isinstance(prompt, str) else [content_text(m["content"]) for m in prompt]
         texts += [c if isinstance(c, str) else c[-1]["content"] for c in completions.values()]
         check_representable(tokenizer, texts, [where] * len(texts), "prompt, chosen or rejected")
         prompt_ids, (chosen, rejected) = _tokenised(

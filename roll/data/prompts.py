@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
-from roll.data.columns import ANSWER, PROMPT, map_columns
+from roll.data.columns import ANSWER, IMAGES, PROMPT, map_columns
 from roll.data.dataset import DatasetError
 from roll.data.domains import DEFAULT_DOMAIN
 from roll.data.formats import read_rows
-from roll.data.messages import Messages, checked_prompt
+from roll.data.images import ImagePrompts, ImageSource, VisionInputs, image_sources
+from roll.data.messages import Messages, checked_prompt, content_text, with_images
 
 
 class PromptOptions(Protocol):
@@ -38,15 +40,38 @@ class PromptFiles(PromptOptions, Protocol):
 @dataclass
 class PromptSet:
     """Dataset rows with their rendered prompt text and token ids (tokenised once, at load), and the
-    domain each row belongs to (``domains``; None: every row is in ``DEFAULT_DOMAIN``)."""
+    domain each row belongs to (``domains``; None: every row is in ``DEFAULT_DOMAIN``).
+
+    A vision-language model's prompts also have their images (``images``: each row's, None for a row
+    without); their ids hold the expanded image placeholders, and ``vision_inputs`` makes the pixel values
+    of a row when it is drawn."""
 
     rows: list[dict]
     texts: list[str]
     token_ids: list[list[int]]
     domains: list[str] | None = None
+    images: list[tuple[ImageSource, ...] | None] | None = None
+    vision: ImagePrompts | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def vision_inputs(self, index: int) -> VisionInputs | None:
+        """The pixel values and image grids of row ``index``'s images (None: a text prompt). Their token
+        counts are checked against the ids expanded at load: the model must read what was tokenised."""
+        sources = None if self.images is None else self.images[index]
+        if sources is None:
+            return None
+        assert self.vision is not None
+        inputs = self.vision.inputs(sources)
+        tokens = int((inputs.image_grid_thw.prod(dim=1) // self.vision.merge_size**2).sum())
+        placeholders = sum(1 for token in self.token_ids[index] if token == self.vision.image_token_id)
+        if tokens != placeholders:
+            raise RuntimeError(
+                f"prompt {index}'s images make {tokens} image tokens, but its ids hold {placeholders} "
+                "placeholders: the image processor changed since the prompts were loaded"
+            )
+        return inputs
 
     def domain_of(self, index: int) -> str:
         return DEFAULT_DOMAIN if self.domains is None else self.domains[index]
@@ -61,6 +86,8 @@ class PromptSet:
             [self.texts[i] for i in indices],
             [self.token_ids[i] for i in indices],
             None if self.domains is None else [self.domains[i] for i in indices],
+            None if self.images is None else [self.images[i] for i in indices],
+            self.vision,
         )
 
     def by_domain(self) -> dict[str, PromptSet]:
@@ -76,11 +103,14 @@ class PromptSet:
     def concat(named: dict[str, PromptSet]) -> PromptSet:
         """One set holding each domain's rows in turn, every row tagged with its domain's name."""
         sets = list(named.values())
+        with_images = any(s.images is not None for s in sets)
         return PromptSet(
             [row for s in sets for row in s.rows],
             [text for s in sets for text in s.texts],
             [ids for s in sets for ids in s.token_ids],
             [name for name, s in named.items() for _ in range(len(s))],
+            [image for s in sets for image in (s.images or [None] * len(s))] if with_images else None,
+            next((s.vision for s in sets if s.vision is not None), None),
         )
 
 
@@ -148,11 +178,14 @@ def load_prompts(
     target_key: str | None = None,
     columns: Mapping[str, str] | None = None,
     columns_key: str = "data.columns",
+    vision: ImagePrompts | None = None,
 ) -> PromptSet:
     """Read a dataset file (any supported format) and tokenise every prompt. ``target_key`` names a
     field the model is trained to write (the SFT target), checked like the prompt for characters the
     tokenizer cannot represent. ``columns`` (field -> column; default ``data.columns``, set under
-    ``columns_key``) renames the user's columns to the fields ROLL and the rewards read."""
+    ``columns_key``) renames the user's columns to the fields ROLL and the rewards read. ``vision`` (a
+    vision-language model's image processing) reads the rows' images (``IMAGES``); without it a row with
+    images is refused."""
     columns = data.columns if columns is None else columns
     located = read_rows(path)
     wheres = [where for where, _ in located]
@@ -162,11 +195,15 @@ def load_prompts(
         checked_prompt(row[PROMPT], where, column, data.apply_chat_template)
         for where, row in zip(wheres, rows, strict=True)
     ]
+    images = _row_images(path, wheres, rows, columns.get(IMAGES, IMAGES), vision, data.apply_chat_template)
+    checked = prompts
+    if images is not None:
+        prompts = [p if found is None else with_images(p, len(found)) for p, found in zip(prompts, images)]
     # The model reads every message of a conversation: each is checked like a text prompt.
     contents = [
         (where, text)
         for where, prompt in zip(wheres, prompts, strict=True)
-        for text in ([prompt] if isinstance(prompt, str) else [m["content"] for m in prompt])
+        for text in ([prompt] if isinstance(prompt, str) else [content_text(m["content"]) for m in prompt])
     ]
     check_representable(tokenizer, [text for _, text in contents], [where for where, _ in contents], column)
     if target_key is not None:
@@ -177,17 +214,54 @@ def load_prompts(
         _rendered(tokenizer, prompt, data.apply_chat_template, where)
         for prompt, where in zip(prompts, wheres, strict=True)
     ]
-    for row, prompt in zip(rows, prompts, strict=True):
+    for row, prompt in zip(rows, checked, strict=True):
         row[PROMPT] = prompt  # without the nulls of an Arrow-backed conversation
+        row.pop(IMAGES, None)  # kept once, as the sources: a row travels with every sample of a batch
     # verbose=False: a prompt beyond the model's length gets the error below, not transformers' warning.
     token_ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    if images is not None:
+        assert vision is not None
+        token_ids = [
+            ids if found is None else vision.expand(ids, [vision.tokens_per_image(i) for i in found], where)
+            for ids, found, where in zip(token_ids, images, wheres, strict=True)
+        ]
     for where, ids in zip(wheres, token_ids, strict=True):
         if len(ids) > data.max_prompt_length:
             raise DatasetError(
                 f"{where}: the prompt is {len(ids)} tokens, longer than "
                 f"data.max_prompt_length={data.max_prompt_length}; raise it or shorten the prompt"
             )
-    return PromptSet(rows, texts, token_ids)
+    return PromptSet(rows, texts, token_ids, images=images, vision=vision)
+
+
+def _row_images(
+    path: str,
+    wheres: list[str],
+    rows: list[dict],
+    column: str,
+    vision: ImagePrompts | None,
+    apply_chat_template: bool,
+) -> list[tuple[ImageSource, ...] | None] | None:
+    """Each row's images (None for a row without), or None when no row has any."""
+    with_images = [(where, row) for where, row in zip(wheres, rows) if row.get(IMAGES) is not None]
+    if not with_images:
+        return None
+    where = with_images[0][0]
+    if vision is None:
+        raise DatasetError(
+            f"{where}: the row has images ('{column}'), but the model is text-only; train a vision-language "
+            "model (model.path, or model.tiny.vision), or drop the column"
+        )
+    if not apply_chat_template:
+        raise DatasetError(
+            f"{where}: the row has images ('{column}'), which the chat template places in the prompt; set "
+            "data.apply_chat_template=true"
+        )
+    base = Path(path).parent
+    return [
+        None if row.get(IMAGES) is None else image_sources(row[IMAGES], base, where, column)
+        for where, row in zip(wheres, rows)
+    ]
 
 
 def _rendered(tokenizer: Any, prompt: str | Messages, apply_chat_template: bool, where: str) -> str:
@@ -206,11 +280,14 @@ def load_datasets(
     train_fields: Sequence[str] = (),
     eval_fields: Sequence[str] = (),
     sft_targets: bool = False,
+    vision: ImagePrompts | None = None,
 ) -> tuple[PromptSet, PromptSet | None]:
     """The training prompts and, when ``data.eval_path`` is set, the held-out ones; every row must have
     the listed fields (what the rewards and the SFT target read), checked now rather than mid-run. With
     ``sft_targets`` the training rows' ``answer`` is trained on and checked like a prompt."""
     target = ANSWER if sft_targets else None
-    train = load_prompts(data.train_path, tokenizer, data, train_fields, target_key=target)
-    held_out = load_prompts(data.eval_path, tokenizer, data, eval_fields) if data.eval_path else None
+    train = load_prompts(data.train_path, tokenizer, data, train_fields, target_key=target, vision=vision)
+    held_out = (
+        load_prompts(data.eval_path, tokenizer, data, eval_fields, vision=vision) if data.eval_path else None
+    )
     return train, held_out

@@ -99,6 +99,62 @@ def linear_code_rows(count: int, seed: int = 0) -> list[dict]:
     ]
 
 
+# The colours of examples/data/shapes, as RGB; each drawn with a little noise so no two images are equal.
+SHAPE_COLOURS = {
+    "red": (210, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 70, 210),
+    "yellow": (225, 195, 30),
+}
+SHAPES_PROMPT = "how many and what colour?"
+
+
+def shape_rows(count: int, image_size: int = 56, seed: int = 0) -> list[dict]:
+    """``{"prompt", "images": [PNG bytes], "answer": "<count> <colour>"}`` rows: a white picture whose
+    quadrants hold 1 to 4 squares of one colour (size, place and shade drawn at random), asked how many
+    squares there are and their colour. Reading the picture is the only way to the answer: 16 answers,
+    so a blind guess scores 1/16."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+    half = image_size // 2
+    rows = []
+    for _ in range(count):
+        colour = rng.choice(sorted(SHAPE_COLOURS))
+        quadrants = rng.sample(range(4), rng.randint(1, 4))
+        image = Image.new("RGB", (image_size, image_size), (255, 255, 255))
+        draw = ImageDraw.Draw(image)
+        for quadrant in quadrants:
+            side = rng.randint(half // 2, half - 4)
+            left = (quadrant % 2) * half + rng.randint(1, half - side - 1)
+            top = (quadrant // 2) * half + rng.randint(1, half - side - 1)
+            shade = tuple(min(255, max(0, c + rng.randint(-25, 25))) for c in SHAPE_COLOURS[colour])
+            draw.rectangle([left, top, left + side - 1, top + side - 1], fill=shade)
+        encoded = io.BytesIO()
+        image.save(encoded, format="PNG")
+        rows.append(
+            {"prompt": SHAPES_PROMPT, "images": [encoded.getvalue()], "answer": f"{len(quadrants)} {colour}"}
+        )
+    return rows
+
+
+def write_shapes_split(directory: str | Path, train: int = 2000, held_out: int = 200, seed: int = 0) -> None:
+    """Write ``train.parquet`` and ``eval.parquet`` of ``shape_rows`` (images as PNG bytes, the way
+    ``datasets`` stores an image column) into ``directory``; the held-out pictures are drawn apart."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, rows in (
+        ("train", shape_rows(train, seed=seed)),
+        ("eval", shape_rows(held_out, seed=seed + 1)),
+    ):
+        pq.write_table(pa.Table.from_pylist(rows), directory / f"{name}.parquet")
+
+
 def _sample(items: list, count: int, seed: int) -> list:
     if count > len(items):
         raise ValueError(f"only {len(items)} distinct problems exist; asked for {count}")
@@ -136,5 +192,7 @@ if __name__ == "__main__":
     task = sys.argv[1] if len(sys.argv) > 1 else "addition"
     if task == "multi_domain":
         write_multi_domain_split(sys.argv[2] if len(sys.argv) > 2 else "examples/data/multi_domain")
+    elif task == "shapes":
+        write_shapes_split(sys.argv[2] if len(sys.argv) > 2 else "examples/data/shapes")
     else:
         write_addition_split(sys.argv[2] if len(sys.argv) > 2 else "examples/data/addition")

@@ -2,11 +2,13 @@
 
 ROLL never downloads at run time: `model.path` must name a directory that already holds the model.
 `check_model_path` is cheap (no torch import) so config validation and the CLI can call it up front
-and fail before any worker starts.
+and fail before any worker starts. A vision-language model (Qwen2-VL-style: its config has a
+``vision_config``) loads through ``AutoModelForImageTextToText`` and has an image processor beside it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +19,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+# A vision-language model's image processor, as transformers saves it.
+IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
 # Any one of these is enough for AutoTokenizer to build a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Single-file or sharded (index) checkpoints, safetensors or legacy pickle.
@@ -62,6 +66,65 @@ def check_model_path(path: str | os.PathLike, *, tokenizer: bool = True, weights
     problem = _missing_parts(Path(path), tokenizer=tokenizer, weights=weights)
     if problem is not None:
         raise ModelPathError(f"Cannot load a model from {str(path)!r}: {problem}. {_HOW_TO_FIX}")
+
+
+def is_vision_language(path: str | os.PathLike) -> bool:
+    """Whether the model saved at ``path`` reads images: its ``config.json`` has a ``vision_config``
+    (Qwen2-VL and its kin). False when there is no readable config; read without importing transformers."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("vision_config") is not None
+
+
+def load_image_processor(path: str | os.PathLike) -> Any:
+    """The image processor of the vision-language model saved at ``path``, or None for a text-only model.
+
+    Through ``AutoImageProcessor``: the torchvision-backed class where torchvision is installed, else the
+    PIL one, asked for by name so that transformers does not warn about the fallback on every load.
+
+    Raises:
+        ModelPathError: a vision-language model without ``preprocessor_config.json``.
+    """
+    if not is_vision_language(path):
+        return None
+    if not (Path(path) / IMAGE_PROCESSOR_FILE).is_file():
+        raise ModelPathError(
+            f"Cannot load the image processor of the vision-language model at {str(path)!r}: it has no "
+            f"{IMAGE_PROCESSOR_FILE}. Copy it from the model's original download (it comes with the weights)."
+        )
+    from transformers import AutoImageProcessor
+    from transformers.utils import is_torchvision_available
+
+    backend = "torchvision" if is_torchvision_available() else "pil"
+    return AutoImageProcessor.from_pretrained(str(path), local_files_only=True, backend=backend)
+
+
+# What a saved vision-language model keeps beside its weights and tokenizer so that AutoProcessor
+# (and ROLL, from a warm start's directory) builds its processor again.
+PROCESSOR_FILES = (IMAGE_PROCESSOR_FILE, "processor_config.json", "video_preprocessor_config.json")
+
+
+def copy_processor_files(source: str | os.PathLike, target: str | os.PathLike) -> list[str]:
+    """Copy the processor files of the model at ``source`` that exist into ``target``; their names."""
+    import shutil
+
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, Path(target) / name)
+            copied.append(name)
+    return copied
+
+
+def _auto_model_class(path: str | os.PathLike) -> Any:
+    """``AutoModelForImageTextToText`` for a vision-language model, else ``AutoModelForCausalLM``."""
+    import transformers
+
+    if is_vision_language(path):
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
 
 
 def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
@@ -183,14 +246,15 @@ def build_causal_lm(
     path: str | os.PathLike, attn_implementation: str = "sdpa", dtype: torch.dtype | None = None
 ) -> PreTrainedModel:
     """The causal LM of ``path``'s config, in ``dtype`` (default float32), its weights initialised but not
-    read (under ``accelerate.init_empty_weights`` they stay on the meta device, for sharded loading)."""
+    read (under ``accelerate.init_empty_weights`` they stay on the meta device, for sharded loading). A
+    vision-language config builds its image-text-to-text model (vision tower included)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     _prepare_attention(path, attn_implementation)
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     try:
-        model = AutoModelForCausalLM.from_config(
+        model = _auto_model_class(path).from_config(
             config, attn_implementation=attn_implementation, dtype=dtype or torch.float32
         )
     except (ImportError, ValueError) as e:
@@ -237,12 +301,11 @@ def load_causal_lm(
     attn_implementation: str = "sdpa",
 ) -> PreTrainedModel:
     """The causal LM saved at ``path`` with parameters in ``dtype`` (a torch dtype name), on ``device``,
-    attending with transformers' ``attn_implementation``."""
-    from transformers import AutoModelForCausalLM
-
+    attending with transformers' ``attn_implementation``. A vision-language model loads whole, through
+    ``AutoModelForImageTextToText`` (``is_vision_language``)."""
     check_model_path(path, tokenizer=False)
     torch_dtype = _torch_dtype(dtype)
-    model = _from_pretrained(AutoModelForCausalLM, path, attn_implementation, dtype=torch_dtype)
+    model = _from_pretrained(_auto_model_class(path), path, attn_implementation, dtype=torch_dtype)
     return model.to(device)
 
 

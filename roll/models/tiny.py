@@ -1,7 +1,10 @@
 """Tiny Qwen2 models with a character tokenizer, built from a config and saved in Hugging Face format.
 
 Tests and the quickstart save the model to disk and load it back through `roll.models.loading`, so the
-same loading path as for a real checkpoint is exercised without any network access.
+same loading path as for a real checkpoint is exercised without any network access. With a vision tower
+(``cfg.vision``) the model is a Qwen2-VL, saved with its image processor and a ``processor_config.json``
+so that ``AutoProcessor`` loads the directory where torchvision is installed (transformers builds
+Qwen2-VL's processor only with it; ROLL itself uses the image processor and tokenizer directly).
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # torch and transformers load in seconds: only building a model needs them
-    from transformers import PreTrainedTokenizerBase, Qwen2ForCausalLM
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # Written last into a saved model directory: its presence marks the save complete, its content says
 # which config built the model (so a later call with the same config can skip the rebuild).
@@ -25,6 +28,25 @@ TINY_CONFIG_FILE = "roll_tiny_config.json"
 TINY_MODEL_DIR = "tiny_model"
 # The class transformers' AutoTokenizer builds for a Qwen2 directory, which the tokenizer is built as.
 TOKENIZER_CLASS = "Qwen2Tokenizer"
+
+# Qwen2-VL's image geometry: 14-pixel patches, two frames a patch (an image is repeated), and 2x2 patches
+# merged into one token of the text model, so image sides are multiples of IMAGE_SIDE_FACTOR pixels.
+PATCH_SIZE = 14
+TEMPORAL_PATCH_SIZE = 2
+MERGE_SIZE = 2
+IMAGE_SIDE_FACTOR = PATCH_SIZE * MERGE_SIZE
+# What AutoProcessor reads to build a Qwen2VLProcessor from the image processor and tokenizer beside it.
+PROCESSOR_CONFIG_FILE = "processor_config.json"
+PROCESSOR_CLASS = "Qwen2VLProcessor"
+
+
+class TinyVisionSpec(Protocol):
+    """The vision tower of a tiny Qwen2-VL (``roll.config.TinyVisionConfig`` is one)."""
+
+    depth: int
+    embed_dim: int
+    num_heads: int
+    image_size: int
 
 
 class TinyModelSpec(Protocol):
@@ -41,17 +63,57 @@ class TinyModelSpec(Protocol):
     max_position_embeddings: int
     seed: int
 
+    @property
+    def vision(self) -> TinyVisionSpec | None:
+        """The vision tower, or None for a text-only model (read-only here, so any dataclass field fits)."""
+        ...
 
-def build_tiny_model(cfg: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> Qwen2ForCausalLM:
-    """A randomly initialised float32 Qwen2 causal LM sized by ``cfg``, with embeddings tied to the head.
+
+def mrope_section(head_dim: int) -> list[int]:
+    """Qwen2-VL's M-RoPE split of a head's ``head_dim // 2`` rotary frequencies into temporal, height and
+    width parts, in Qwen2-VL's own proportions (1/4, 3/8, 3/8: [16, 24, 24] for its head_dim of 128).
+
+    Raises:
+        ValueError: ``head_dim`` is odd or below 6 (each of the three parts needs a frequency).
+    """
+    if head_dim % 2 or head_dim < 6:
+        raise ValueError(f"M-RoPE needs an even head_dim of at least 6 (got {head_dim})")
+    half = head_dim // 2
+    spatial = 3 * half // 8  # >= 1 from half = 3 on
+    return [half - 2 * spatial, spatial, spatial]
+
+
+def build_tiny_model(cfg: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """A randomly initialised float32 model sized by ``cfg``, with embeddings tied to the head: a Qwen2
+    causal LM, or with ``cfg.vision`` a Qwen2-VL (``Qwen2VLForConditionalGeneration``) whose tokenizer
+    must have been built with ``vision=True``.
 
     Initialisation is seeded by ``cfg.seed`` inside a forked RNG, so the same config always gives the
     same weights and the caller's global torch RNG state is left untouched.
     """
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM, Qwen2VLForConditionalGeneration
 
-    config = Qwen2Config(
+    if cfg.vision is None:
+        config, model_class = _text_config(cfg, tokenizer), Qwen2ForCausalLM
+    else:
+        config = _vision_language_config(cfg, cfg.vision, tokenizer)
+        model_class = Qwen2VLForConditionalGeneration
+    # devices=[]: CPU RNG only; forking CUDA RNGs would initialise CUDA for no benefit.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = model_class(config)
+    model = model.to(torch.float32)
+    # `generate` reads its stop and pad ids from here, not from the model config.
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def _text_config(cfg: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> Any:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -65,20 +127,84 @@ def build_tiny_model(cfg: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> 
         bos_token_id=tokenizer.bos_token_id,
         dtype="float32",
     )
-    # devices=[]: CPU RNG only; forking CUDA RNGs would initialise CUDA for no benefit.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        model = Qwen2ForCausalLM(config)
-    model = model.to(torch.float32)
-    # `generate` reads its stop and pad ids from here, not from the model config.
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
+
+
+def _vision_language_config(
+    cfg: TinyModelSpec, vision: TinyVisionSpec, tokenizer: PreTrainedTokenizerBase
+) -> Any:
+    """A Qwen2-VL config: ``cfg``'s text model with M-RoPE, and a vision tower whose merger projects into
+    the text model's width (so the vision ``hidden_size`` is the text one)."""
+    from transformers import Qwen2VLConfig
+
+    from roll.models.tokenizer import IMAGE_PAD_TOKEN, VIDEO_PAD_TOKEN, VISION_END_TOKEN, VISION_START_TOKEN
+
+    ids = {}
+    for key, token in (
+        ("image_token_id", IMAGE_PAD_TOKEN),
+        ("video_token_id", VIDEO_PAD_TOKEN),
+        ("vision_start_token_id", VISION_START_TOKEN),
+        ("vision_end_token_id", VISION_END_TOKEN),
+    ):
+        ids[key] = tokenizer.convert_tokens_to_ids(token)
+        if ids[key] is None or ids[key] == tokenizer.unk_token_id:
+            raise ValueError(f"the tokenizer has no {token}; build it with build_char_tokenizer(vision=True)")
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": mrope_section(head_dim),
+        },
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        dtype="float32",
+    )
+    tower = dict(
+        depth=vision.depth,
+        embed_dim=vision.embed_dim,
+        hidden_size=cfg.hidden_size,
+        num_heads=vision.num_heads,
+        mlp_ratio=2,
+        patch_size=PATCH_SIZE,
+        spatial_merge_size=MERGE_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        in_channels=3,
+    )
+    return Qwen2VLConfig(
+        text_config=text, vision_config=tower, tie_word_embeddings=True, dtype="float32", **ids
+    )
+
+
+def build_tiny_image_processor(vision: TinyVisionSpec) -> Any:
+    """The image processor a tiny Qwen2-VL is saved with: Qwen2-VL's, PIL-backed (it needs no torchvision),
+    resizing each image to between 28x28 and ``image_size`` x ``image_size`` pixels."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        min_pixels=IMAGE_SIDE_FACTOR**2,
+        max_pixels=vision.image_size**2,
+        patch_size=PATCH_SIZE,
+        merge_size=MERGE_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE,
+    )
 
 
 def _config_json(cfg: TinyModelSpec) -> dict:
-    """The config as plain JSON data, the form stored in ``TINY_CONFIG_FILE``."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+    """The config as plain JSON data, the form stored in ``TINY_CONFIG_FILE``. An unset ``vision`` is left
+    out, so a text model saved before the field existed is still recognised."""
+    data = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    if data.get("vision") is None:
+        data.pop("vision", None)
+    return data
 
 
 def _stored_config(path: Path) -> dict | None:
@@ -138,6 +264,8 @@ def _swap_in(staging: Path, path: Path) -> None:
 
 def save_tiny_model(cfg: TinyModelSpec, path: str | os.PathLike) -> Path:
     """Build the tokenizer and model for ``cfg`` and save both (safetensors) to ``path``; return ``path``.
+    A vision-language model also gets its image processor (``preprocessor_config.json``) and
+    ``processor_config.json``.
 
     Idempotent: when ``path`` already holds a model built from an identical config, nothing is rebuilt
     (re-running a quickstart is instant and keeps file times). A different config replaces the old build.
@@ -153,10 +281,16 @@ def save_tiny_model(cfg: TinyModelSpec, path: str | os.PathLike) -> Path:
     from roll.models.tokenizer import build_char_tokenizer
 
     try:
-        tokenizer = build_char_tokenizer(cfg.alphabet, model_max_length=cfg.max_position_embeddings)
+        tokenizer = build_char_tokenizer(
+            cfg.alphabet, model_max_length=cfg.max_position_embeddings, vision=cfg.vision is not None
+        )
         model = build_tiny_model(cfg, tokenizer)
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        if cfg.vision is not None:
+            build_tiny_image_processor(cfg.vision).save_pretrained(staging)
+            processor = {"processor_class": PROCESSOR_CLASS}
+            (staging / PROCESSOR_CONFIG_FILE).write_text(json.dumps(processor, indent=2), encoding="utf-8")
         (staging / TINY_CONFIG_FILE).write_text(json.dumps(_config_json(cfg), indent=2), encoding="utf-8")
         try:
             _swap_in(staging, path)

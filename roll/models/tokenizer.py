@@ -34,24 +34,47 @@ SPECIAL_TOKENS: dict[str, str] = {
     "assistant": ASSISTANT_TOKEN,
 }
 
+# A vision-language tiny model's tokens, Qwen2-VL's names: an image renders as
+# <|vision_start|><|image_pad|><|vision_end|>, and its <|image_pad|> is expanded to one copy per image
+# token before the model reads it. <|video_pad|> is there so that a Qwen2-VL processor, which looks it up,
+# finds a real id (no video is ever rendered).
+VISION_START_TOKEN = "<|vision_start|>"
+VISION_END_TOKEN = "<|vision_end|>"
+IMAGE_PAD_TOKEN = "<|image_pad|>"
+VIDEO_PAD_TOKEN = "<|video_pad|>"
+# Appended after every other token (build_char_tokenizer(vision=True)): a text model's ids stay as they are.
+VISION_TOKENS: tuple[str, ...] = (VISION_START_TOKEN, VISION_END_TOKEN, IMAGE_PAD_TOKEN, VIDEO_PAD_TOKEN)
+
 # Only assistant turns end with EOS: that is the token the policy must learn to emit to stop.
 # Whitespace control (`-`) keeps the template's own layout out of the rendered text. Tools as Qwen2.5 and
 # Hermes write them, compactly: the tool names in a system turn, a call as <tool_call>{json}</tool_call>
 # in the assistant's text, a result as a user turn's <tool_response>...</tool_response>. Their characters
-# render only where the alphabet has them (examples/agent_calculator.yaml's does).
+# render only where the alphabet has them (examples/agent_calculator.yaml's does). A content may also be a
+# list of parts, as vision-language datasets write it: {"type": "text", "text": ...} renders its text,
+# {"type": "image"} the image's placeholder (Qwen2-VL's); a string renders as is.
 CHAT_TEMPLATE = (
+    "{%- macro render(content) -%}"
+    "{%- if content is string or content is mapping or content is not iterable -%}{{ content }}"
+    "{%- else -%}{%- for part in content -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- elif part['type'] == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- else -%}"
+    "{{ raise_exception('unknown content part type: ' ~ part['type'] ~ ' (expected text or image)') }}"
+    "{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
     "{%- if tools -%}<|system|><tools>"
     "{%- for tool in tools -%}{{ ' ' if not loop.first }}{{ tool['function']['name'] }}{%- endfor -%}"
     "</tools>{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}"
-    "<|system|>{{ message['content'] }}"
+    "<|system|>{{ render(message['content']) }}"
     "{%- elif message['role'] == 'user' -%}"
-    "<|user|>{{ message['content'] }}"
+    "<|user|>{{ render(message['content']) }}"
     "{%- elif message['role'] == 'tool' -%}"
-    "<|user|><tool_response>{{ message['content'] }}</tool_response>"
+    "<|user|><tool_response>{{ render(message['content']) }}</tool_response>"
     "{%- elif message['role'] == 'assistant' -%}"
-    "<|assistant|>{{ message['content'] }}"
+    "<|assistant|>{{ render(message['content']) }}"
     "{%- for call in message.get('tool_calls') or [] -%}"
     "<tool_call>{{ call['function'] | tojson(separators=(',', ':')) }}</tool_call>"
     "{%- endfor -%}<|eos|>"
@@ -91,24 +114,34 @@ def _char_vocab_and_merges(alphabet: str) -> tuple[dict[str, int], list[tuple[st
     return vocab, list(dict.fromkeys(merges))  # characters that share leading bytes share merges
 
 
-def build_char_tokenizer(alphabet: str, model_max_length: int = DEFAULT_MODEL_MAX_LENGTH) -> Qwen2Tokenizer:
+def build_char_tokenizer(
+    alphabet: str, model_max_length: int = DEFAULT_MODEL_MAX_LENGTH, vision: bool = False
+) -> Qwen2Tokenizer:
     """A Qwen2 tokenizer where every character of ``alphabet`` is one token.
 
     Ids: ``<|pad|>``=0, ``<|eos|>``=1, ``<|unk|>``=2, ``<|system|>``=3, ``<|user|>``=4, ``<|assistant|>``=5,
     then the alphabet (duplicates ignored; a character of several UTF-8 bytes also adds its bytes after
     the alphabet). Characters outside the alphabet are dropped, as a Qwen2 tokenizer drops bytes its
     vocabulary lacks. Encoding adds no BOS/EOS; padding is on the left, as generation needs.
+
+    ``vision``: also ``VISION_TOKENS`` (a tiny vision-language model's), after all of those, so every other
+    id is the text tokenizer's; special tokens, like the role markers, never split.
     """
     if not alphabet:
         raise ValueError("alphabet must contain at least one character")
     vocab, merges = _char_vocab_and_merges(alphabet)
+    specials = [SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN]
+    if vision:
+        for token in VISION_TOKENS:
+            vocab.setdefault(token, len(vocab))
+        specials += VISION_TOKENS
     return _qwen2_tokenizer(
         vocab,
         merges,
         pad_token=PAD_TOKEN,
         eos_token=EOS_TOKEN,
         unk_token=UNK_TOKEN,
-        extra_special_tokens=[SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN],
+        extra_special_tokens=specials,
         model_max_length=model_max_length,
         chat_template=CHAT_TEMPLATE,
     )

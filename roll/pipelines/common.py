@@ -13,6 +13,7 @@ import torch
 
 from roll.config.common import CheckpointConfig, EvalConfig, ModelConfig, RayConfig, cluster_to_join
 from roll.data.batch import Batch
+from roll.data.images import IMAGES
 from roll.data.padding import left_pad, right_pad
 from roll.data.prompts import PromptSet
 from roll.distributed.cluster import Cluster
@@ -81,11 +82,13 @@ def setup_with_rendezvous(cluster: Cluster, blocking: bool = True) -> Any:
 def prompt_batch(prompts: PromptSet, indices: list[int], pad_id: int) -> Batch:
     """``prompt_ids``/``prompt_mask`` (left-padded) plus ``prompt_text`` and the raw ``sample`` rows."""
     ids, mask = left_pad([prompts.token_ids[i] for i in indices], pad_id)
+    images = {IMAGES: [prompts.vision_inputs(i) for i in indices]} if prompts.images is not None else {}
     return Batch(
         tensors={"prompt_ids": ids, "prompt_mask": mask},
         non_tensors={
             "prompt_text": [prompts.texts[i] for i in indices],
             "sample": [prompts.rows[i] for i in indices],
+            **images,
         },
     )
 

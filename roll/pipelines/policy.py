@@ -26,6 +26,7 @@ from roll.config.devices import resolve_world_sizes
 from roll.config.loader import ConfigError
 from roll.config.rlvr import off_policy_note
 from roll.data.batch import Batch
+from roll.data.images import IMAGES
 from roll.data.masks import loss_mask
 from roll.distributed.cluster import Cluster, WorkerError
 from roll.distributed.weight_sync import WeightSync, WeightSyncError
@@ -403,5 +404,6 @@ class PolicyPipeline(RunLoop):
 
 
 def _tensors(batch: Batch) -> Batch:
-    """The tensor fields only: trainer, reference and critic workers read no text."""
-    return batch.select_keys(batch.tensors)
+    """The tensor fields, and the rows' images when there are any: trainer, reference and critic workers
+    read no text."""
+    return batch.select_keys([*batch.tensors, *([IMAGES] if IMAGES in batch else [])])

@@ -155,24 +155,31 @@ def preflight(cfg: Any) -> RunInputs:
     problems += check_local_devices(cfg)
     _refuse(problems)
     tokenizer = load_run_tokenizer(cfg.model)
+    vision = load_run_vision(cfg.model, tokenizer)
     _refuse(
         check_stop_token_ids(cfg, tokenizer)
         + check_lora_targets(cfg, tokenizer)
         + check_teacher_tokenizer(cfg, tokenizer)
         + check_vllm_fits(cfg, local_gpu_count())
+        + check_vision_pipeline(cfg, vision)
     )
     if cfg.pipeline == "agentic":  # no dataset: episodes come from the environment
         _refuse(check_chat_template(cfg, tokenizer))
         return RunInputs(tokenizer, None, None)
     if getattr(cfg, "domains", None):
-        inputs = RunInputs(tokenizer, *load_domains(cfg, tokenizer))
+        inputs = RunInputs(tokenizer, *load_domains(cfg, tokenizer, vision))
         check_distill_routes(cfg, inputs.train)
         return inputs
     if cfg.pipeline == "dpo":
         return load_preference_inputs(cfg, tokenizer)
     needs = DATA_NEEDS.get(cfg.pipeline)(cfg)
     train, held_out = load_datasets(
-        cfg.data, tokenizer, needs.train_fields, needs.eval_fields, sft_targets=needs.sft_targets
+        cfg.data,
+        tokenizer,
+        needs.train_fields,
+        needs.eval_fields,
+        sft_targets=needs.sft_targets,
+        vision=vision,
     )
     for key, size in needs.batches.items():
         if size > len(train):
@@ -214,7 +221,7 @@ def _refuse(problems: list[str]) -> None:
         raise ConfigError("cannot start the run:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def load_domains(cfg: Any, tokenizer: Any) -> tuple[PromptSet, PromptSet | None]:
+def load_domains(cfg: Any, tokenizer: Any, vision: Any = None) -> tuple[PromptSet, PromptSet | None]:
     """Every domain's training and held-out rows, each set tagged with its domain, as one training set
     and one held-out set (None when no domain has one)."""
     train, held_out = {}, {}
@@ -224,11 +231,11 @@ def load_domains(cfg: Any, tokenizer: Any) -> tuple[PromptSet, PromptSet | None]
         columns = merged_columns(cfg.data.columns, domain.columns)
         key = f"domains.{name}.columns"
         train[name] = load_prompts(
-            domain.train_path, tokenizer, cfg.data, needs.train_fields, target, columns, key
+            domain.train_path, tokenizer, cfg.data, needs.train_fields, target, columns, key, vision
         )
         if domain.eval_path:
             held_out[name] = load_prompts(
-                domain.eval_path, tokenizer, cfg.data, needs.eval_fields, None, columns, key
+                domain.eval_path, tokenizer, cfg.data, needs.eval_fields, None, columns, key, vision
             )
     mixed = PromptSet.concat(train)
     for key, size in rlvr_data_needs(cfg).batches.items():
@@ -275,7 +282,62 @@ def load_run_tokenizer(model: ModelConfig) -> Any:
         return load_tokenizer(model.path)
     from roll.models.tokenizer import build_char_tokenizer
 
-    return build_char_tokenizer(model.tiny.alphabet, model_max_length=model.tiny.max_position_embeddings)
+    return build_char_tokenizer(
+        model.tiny.alphabet,
+        model_max_length=model.tiny.max_position_embeddings,
+        vision=model.tiny.vision is not None,
+    )
+
+
+def load_run_vision(model: ModelConfig, tokenizer: Any) -> Any:
+    """A vision-language policy's image processing (``roll.data.images.ImagePrompts``: placeholders and
+    pixel values), from ``model.path`` or as the tiny model will be saved; None for a text-only policy."""
+    from roll.data.images import ImagePrompts
+
+    if model.path is not None:
+        from roll.models.loading import load_image_processor
+
+        processor = load_image_processor(model.path)
+    elif model.tiny.vision is not None:
+        from roll.models.tiny import build_tiny_image_processor
+
+        processor = build_tiny_image_processor(model.tiny.vision)
+    else:
+        processor = None
+    return None if processor is None else ImagePrompts(processor, tokenizer)
+
+
+# What a vision-language policy runs in: the RLVR and SFT pipelines on the hf engine (docs/vlm.md).
+VISION_PIPELINES = ("rlvr", "sft")
+
+
+def check_vision_pipeline(cfg: Any, vision: Any) -> list[str]:
+    """A vision-language policy in a pipeline or engine that does not pass images yet."""
+    if vision is None:
+        return []
+    name = _model_name(cfg.model)
+    if cfg.pipeline not in VISION_PIPELINES:
+        return [
+            f"pipeline: {cfg.pipeline} does not take a vision-language model ({name}) yet; the RLVR and SFT "
+            "pipelines do (docs/vlm.md)"
+        ]
+    rollout = getattr(cfg, "rollout", None)
+    if getattr(rollout, "engine", "hf") != "hf":
+        return [
+            f"rollout.engine: {rollout.engine} does not take image prompts yet (vLLM's Qwen2-VL needs "
+            "torchvision, which has no CPU build for this torch); use rollout.engine=hf (docs/vlm.md)"
+        ]
+    problems = []
+    if getattr(cfg, "critic", None) is not None:
+        problems.append(
+            f"critic: a value model of {name} is not built yet; use a critic-free estimator (grpo)"
+        )
+    for section in ("actor", "train"):
+        if getattr(getattr(cfg, section, None), "sequence_parallel_size", 1) > 1:
+            problems.append(
+                f"{section}.sequence_parallel_size: image prompts are not split across ranks yet; set 1"
+            )
+    return problems
 
 
 def check_stop_token_ids(cfg: Any, tokenizer: Any) -> list[str]:

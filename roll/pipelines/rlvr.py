@@ -16,6 +16,7 @@ from roll.config.rlvr import DomainConfig, RLVRConfig, run_domains
 from roll.data.batch import Batch
 from roll.data.dataset import PromptIterator
 from roll.data.domains import DEFAULT_DOMAIN
+from roll.data.images import IMAGES
 from roll.data.mixing import DomainMixer
 from roll.pipelines.common import evaluate
 from roll.pipelines.domains import mix_domain_evals, reward_metrics, score_held_out
@@ -124,7 +125,7 @@ class RLVRPipeline(PolicyPipeline):
                 per_domain[name] = evaluate(
                     prompts,
                     generate=lambda batch, params: self.generator.generate(
-                        batch.select_keys(GENERATE_FIELDS), params
+                        batch.select_keys([key for key in GENERATE_FIELDS if key in batch]), params
                     ),
                     score=lambda batch, name=name: score_held_out(rewards, batch, name),
                     params=self.plan.eval_sampling,
@@ -140,4 +141,4 @@ class RLVRPipeline(PolicyPipeline):
 
 # Each worker call carries only the fields its worker reads: pickling the whole batch (texts, dataset
 # rows, every tensor) to each rank costs time that grows with the batch and buys nothing.
-GENERATE_FIELDS = ("prompt_ids", "prompt_mask")
+GENERATE_FIELDS = ("prompt_ids", "prompt_mask", IMAGES)  # images: a vision-language model's prompts

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from roll.data.batch import Batch
+from roll.data.images import IMAGES
 from roll.data.padding import left_pad, right_pad
 from roll.data.prompts import PromptSet
 from roll.rollout.prompt_group import PromptGroup
@@ -25,6 +26,7 @@ def assemble_batch(groups: list[PromptGroup], prompts: PromptSet, pad_id: int, m
     logprobs = torch.zeros(len(samples), width)
     for row, result in enumerate(results):
         logprobs[row, : len(result.logprobs)] = torch.tensor(result.logprobs)
+    images = {IMAGES: [g.vision for g in groups for _ in g.samples]} if prompts.images is not None else {}
     return Batch(
         tensors={
             "prompt_ids": prompt_ids,
@@ -43,5 +45,6 @@ def assemble_batch(groups: list[PromptGroup], prompts: PromptSet, pad_id: int, m
             "token_rewards": [s.token_rewards for s in samples],
             "domain": [prompts.domain_of(i) for i in prompt_index],
             "reward_info": [s.reward_info for s in samples],
+            **images,
         },
     )

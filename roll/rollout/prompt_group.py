@@ -5,9 +5,13 @@ with the bookkeeping the scheduler and the batch (``roll.rollout.group_batch``) 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from roll.rollout.lifecycle import Sample
 from roll.strategies.requests import SamplingParams
+
+if TYPE_CHECKING:
+    from roll.data.images import VisionInputs
 
 
 @dataclass
@@ -22,6 +26,7 @@ class PromptGroup:
     submit_version: int = 0  # weights version when its requests were sent
     kept: bool | None = None  # None until every sample is scored and the filters have spoken
     fallback: bool = False  # a filtered group that filled a batch once the prompt budget was spent
+    vision: VisionInputs | None = None  # its prompt's images, made when it is sent
 
     @property
     def resolved(self) -> bool:

@@ -177,10 +177,11 @@ class RolloutScheduler(GroupScheduler):
             self._unsent.popleft()
             group.worker, group.submit_version = worker, self.weights_version
             prompt_ids = self.prompts.token_ids[group.prompt_index]
+            group.vision = self.prompts.vision_inputs(group.prompt_index)  # the batch's rows read it too
             for sample in group.samples:
                 self.balancer.assign_to(sample.request_id, worker)
                 sample.move(S.GENERATING, now)
-                request = GenerateRequest(sample.request_id, prompt_ids, group.params)
+                request = GenerateRequest(sample.request_id, prompt_ids, group.params, vision=group.vision)
                 per_worker.setdefault(worker, []).append(request)
             self._counts["samples_sent"] += len(group.samples)
         for worker, requests in per_worker.items():

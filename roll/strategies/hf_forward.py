@@ -17,15 +17,24 @@ import inspect
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from roll.algorithms.functional import entropy_from_logits, logprobs_from_logits
 from roll.data.batch import Batch
+from roll.data.images import IMAGES, VisionInputs
 from roll.data.masks import last_index
 from roll.data.padding import position_ids_from_mask
 from roll.strategies.sequence_parallel import sequence_group_of, split_pack
 from roll.strategies.streaming_head import Score, head_scores, streamable_head
+from roll.strategies.vision import (
+    check_images_given,
+    mrope_positions,
+    placeholder_ids,
+    vision_arguments,
+    without_placeholders,
+)
 
 # Attention kernels that take packed rows without a mask over the whole pack: FlashAttention's varlen
 # kernels, which transformers uses when position ids restart inside a row and no attention mask is given,
@@ -90,11 +99,18 @@ def _response_outputs(
     options = {"use_cache": False} if forward_takes(model, "use_cache") else {}
     if packed is None:
         packed = packs_sequences(model)
+    vision = batch_vision(batch)
+    check_images_given(model, prompt_ids, vision)
+    if vision is not None:
+        options.update(vision_arguments(model, vision, input_ids.device))
+        image_positions, _ = mrope_positions(model, input_ids, attention_mask, vision)
 
     if not packed:
         if torch.is_grad_enabled() and sequence_group_of(model) is not None:
             # Every rank of the group would run the whole batch: its gradient would count S times.
             raise ValueError("a sequence-parallel model trains on packed rows only (sdpa_varlen)")
+        if vision is not None:
+            position_ids = image_positions
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         predicting = torch.arange(prompt_length - 1, prompt_length - 1 + length, device=input_ids.device)
         with _streamed(scores, response_ids, lambda values: values[:, :length]):
@@ -113,12 +129,19 @@ def _response_outputs(
     response_attended = attended[:, prompt_length:]
     predicting = packed_index[:, prompt_length:][response_attended] - 1
     inputs = {"input_ids": input_ids[attended][None], "position_ids": position_ids[attended][None]}
+    if vision is not None:
+        # [4, 1, N]: the text positions, which restart at each row (where the kernel splits the pack),
+        # then the three M-RoPE positions the rotary embedding reads.
+        text = inputs["position_ids"][None]
+        inputs["position_ids"] = torch.cat([text, image_positions[:, attended][:, None]])
     targets = response_ids[response_attended][None]
 
     def kept(values: torch.Tensor) -> torch.Tensor:
         return values[:, :length][response_attended][None]
 
     group = sequence_group_of(model)
+    if group is not None and vision is not None:
+        raise ValueError("sequence parallelism does not take image prompts yet")
     if group is None:
         with _streamed(scores, targets, kept):
             outputs = _forward_at(model, inputs, predicting, options)
@@ -135,6 +158,12 @@ def _response_outputs(
         return laid_out.index_put(where, values.reshape(-1, *values.shape[2:]))
 
     return _ResponseOutputs(outputs, targets, place)
+
+
+def batch_vision(batch: Batch) -> VisionInputs | None:
+    """The images of ``batch``'s rows, concatenated in row order (the order the model reads their
+    placeholders in), or None when no row has any."""
+    return VisionInputs.concat(batch[IMAGES]) if IMAGES in batch else None
 
 
 def _streamed(
@@ -181,17 +210,27 @@ def response_logprobs(
     The head streams when the model allows (``streamable_head``): the logits never exist for all
     positions, in the forward pass or the backward."""
     head = streamable_head(model)
+    unsampled = placeholder_ids(model)  # what the engines never sample (a VLM's image tokens)
     if head is not None:
         score = _logprob_and_entropy if with_entropy else _logprob
+        if unsampled:
+            score = partial(_scored_without, score, unsampled)
         found = _response_outputs(model, batch, scores=HeadScores(head, score, temperature=temperature))
         logprobs = found.place(found.outputs[..., 0])
         entropy = found.place(found.outputs[..., 1]) if with_entropy else None
         return logprobs, entropy
     found = _response_outputs(model, batch)
+    found.outputs = without_placeholders(found.outputs, unsampled, temperature)
     # No float32 or temperature-scaled copy of the logits: the helpers do both a chunk of rows at a time.
     logprobs = found.place(logprobs_from_logits(found.outputs, found.targets, temperature))
     entropy = found.place(entropy_from_logits(found.outputs, temperature)) if with_entropy else None
     return logprobs, entropy
+
+
+def _scored_without(
+    score: Score, unsampled: tuple[int, ...], logits: torch.Tensor, *rest: torch.Tensor
+) -> torch.Tensor:
+    return score(without_placeholders(logits, unsampled), *rest)
 
 
 def _logprob(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

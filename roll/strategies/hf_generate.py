@@ -9,7 +9,9 @@ import torch.distributed as dist
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
 from roll.data.batch import Batch
+from roll.strategies.hf_forward import batch_vision
 from roll.strategies.requests import SamplingParams
+from roll.strategies.vision import check_images_given, image_token_types, placeholder_ids, vision_arguments
 
 
 class _SampledLogprobs(LogitsProcessor):
@@ -81,15 +83,23 @@ def generate(
         temperature=None if params.greedy else params.temperature,
         top_p=None if params.greedy else params.top_p,
         top_k=None if params.greedy else params.top_k,
+        suppress_tokens=list(placeholder_ids(model)) or None,  # as the engine and the trainer: never sampled
         return_dict_in_generate=True,
     )
     recorder = _SampledLogprobs(1.0 if params.greedy else params.temperature)
     # Sharded (FSDP) ranks all-gather weights in every forward, so all of them keep stepping until the
     # longest generation among them ends.
     synced = dist.is_initialized() and dist.get_world_size() > 1
+    images = {}
+    vision = batch_vision(batch)
+    check_images_given(model, prompt_ids, vision)
+    if vision is not None:  # transformers computes the M-RoPE positions from the token types itself
+        images = vision_arguments(model, vision, device)
+        images["mm_token_type_ids"] = image_token_types(model, prompt_ids)
     out = model.generate(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
+        **images,
         generation_config=config,
         logits_processor=LogitsProcessorList([recorder]),
         stopping_criteria=stopping_criteria,

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from roll.data.images import VisionInputs
 
 __all__ = ["FINISH_REASONS", "FinishReason", "GenerateRequest", "GenerateResult", "SamplingParams"]
 
@@ -54,12 +57,15 @@ class GenerateRequest:
             keep the KV cache of such a request when it ends and start the next request of the same key
             from it, prefilling only the new tokens (``HFEngine``'s prefix store). A hint only: results
             are the same with or without it. None: nothing is kept.
+        vision: the pixel values and image grids of the prompt's images (a vision-language model's
+            prompt, whose ``prompt_ids`` hold each image's placeholders already expanded); None: text.
     """
 
     request_id: str
     prompt_ids: Sequence[int]
     params: SamplingParams
     cache_key: str | None = None
+    vision: VisionInputs | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         prompt_ids = tuple(int(t) for t in self.prompt_ids)

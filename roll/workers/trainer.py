@@ -62,6 +62,8 @@ class TrainerSpec:
     gradient_checkpointing: bool = False
     # Ranks sharing each packed sequence (``roll.strategies.sequence_parallel``); they get the same rows.
     sequence_parallel_size: int = 1
+    # No gradient into a vision-language model's vision tower (``roll.strategies.vision``).
+    freeze_vision_tower: bool = True
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -177,7 +179,12 @@ class TrainerWorker(ModelWorker):
 
     def _prepare(self, model: torch.nn.Module) -> None:
         """Before sharding: gradient checkpointing (FSDP2 then wraps the checkpointed blocks, and
-        non-reentrant recomputation gathers a block's weights again in backward like any other use)."""
+        non-reentrant recomputation gathers a block's weights again in backward like any other use), and
+        a frozen vision tower."""
+        if self.config.freeze_vision_tower:
+            from roll.strategies.vision import freeze_vision_tower
+
+            freeze_vision_tower(model)
         if self.config.gradient_checkpointing:
             # transformers renamed it in 5.x; the old name warns there, and is all that 5.0 has.
             enable = getattr(model, "activation_checkpointing_enable", None)
@@ -411,6 +418,9 @@ class TrainerWorker(ModelWorker):
             self.model.save_pretrained(staging, state_dict=state)
             _fix_config(staging, unwrapped_class_name(self.model), saved_dtype)
         self.tokenizer.save_pretrained(staging)
+        from roll.models.loading import copy_processor_files
+
+        copy_processor_files(self.config.model.path, staging)  # a vision-language model's image processor
         if target.exists():
             old = target.with_name(f".{target.name}.old.{os.getpid()}")
             target.rename(old)

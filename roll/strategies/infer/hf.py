@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from roll.data.batch import Batch
+from roll.data.images import IMAGES, VisionInputs
 from roll.data.padding import left_pad, position_ids_from_mask
 from roll.models.loading import end_of_sequence_ids
 from roll.strategies.cpu_threads import decode_threads
@@ -42,6 +43,13 @@ from roll.strategies.infer.requests_held import INTERNAL_ID_PREFIX, RequestsHeld
 from roll.strategies.offload import HostBuffers
 from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 from roll.strategies.sampling import sample_tokens
+from roll.strategies.vision import (
+    check_images_given,
+    mrope_positions,
+    placeholder_ids,
+    vision_arguments,
+    without_placeholders,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -132,6 +140,7 @@ class HFEngine(RequestsHeld, InferenceEngine):
         eos_ids = end_of_sequence_ids(tokenizer, model)
         self._eos_ids = frozenset(eos_ids)
         self._pad_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+        self._unsampled = placeholder_ids(model)  # a VLM's image tokens: never sampled (the trainer agrees)
         self._capacity = max_running_requests
         # torch's CPU thread count is per calling thread: the serving thread takes the count the
         # constructing thread was given (one for a narrow model on the CPU: roll.strategies.cpu_threads).
@@ -202,8 +211,11 @@ class HFEngine(RequestsHeld, InferenceEngine):
         """Sample one response per row of ``batch``; the contract of ``roll.strategies.hf_generate``."""
         prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"].bool()
         tag = f"{_BATCH_ID_PREFIX}{next(self._batch_ids)}-"
+        images = batch[IMAGES] if IMAGES in batch else [None] * len(batch)
         requests = [
-            GenerateRequest(f"{tag}{row}", prompt_ids[row][prompt_mask[row]].tolist(), params)
+            GenerateRequest(
+                f"{tag}{row}", prompt_ids[row][prompt_mask[row]].tolist(), params, vision=images[row]
+            )
             for row in range(prompt_ids.shape[0])
         ]
         self._enqueue(requests)
@@ -432,7 +444,13 @@ class HFEngine(RequestsHeld, InferenceEngine):
         Row i's columns: its kept part right-aligned in the first ``past`` columns, then its new tokens
         left-padded in the last ``new`` columns, all masked but the real ones; positions go on from the
         kept length, so a row computes what a prefill of its whole prompt would."""
-        taken = [self._prefixes.take(entry.request.cache_key, entry.request.prompt_ids) for entry in admitted]
+        taken = [
+            # An image prompt is prefilled whole: its kept KV would hold image tokens of another request.
+            (0, None)
+            if entry.request.vision is not None
+            else self._prefixes.take(entry.request.cache_key, entry.request.prompt_ids)
+            for entry in admitted
+        ]
         reused = [length for length, _ in taken]
         prompts = [entry.request.prompt_ids[length:] for entry, length in zip(admitted, reused)]
         ids, new_mask = left_pad(prompts, self._pad_id)
@@ -444,17 +462,35 @@ class HFEngine(RequestsHeld, InferenceEngine):
         layers = [states for _, states in taken]
         cache = SlotCache.from_prefixes(layers, room=ids.shape[1]) if past else SlotCache()
         self._prefixes.count_prefill(computed=sum(map(len, prompts)), reused=sum(reused))
+        ids, positions = ids.to(self._device), positions.to(self._device)
+        images, offsets = {}, torch.zeros(len(admitted), dtype=torch.long)
+        vision = VisionInputs.concat([entry.request.vision for entry in admitted])
+        check_images_given(self._model, ids, vision)
+        if vision is not None:
+            # Image prompts have none kept (above): positions, pixel values and grids as the trainer has them.
+            images = vision_arguments(self._model, vision, self._device)
+            image_positions, offsets = mrope_positions(self._model, ids, mask[:, past:], vision)
+            has_image = torch.tensor(
+                [entry.request.vision is not None for entry in admitted], device=ids.device
+            )
+            positions = torch.where(has_image[None, :, None], image_positions, positions.expand(3, -1, -1))
         logits = self._model(
-            input_ids=ids.to(self._device),
+            input_ids=ids,
             attention_mask=mask,
-            position_ids=positions.to(self._device),
+            position_ids=positions,
+            **images,
             **{self._cache_argument: cache},
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
         rows = [
-            _Row(entry, next_position=len(entry.request.prompt_ids), weights_epoch=self._weights_epoch)
-            for entry in admitted
+            # After an image the text positions run ahead of the token count by the row's offset.
+            _Row(
+                entry,
+                next_position=len(entry.request.prompt_ids) + int(offset),
+                weights_epoch=self._weights_epoch,
+            )
+            for entry, offset in zip(admitted, offsets)
         ]
         tokens = self._sample(logits, rows)
         if self._rows:
@@ -468,6 +504,7 @@ class HFEngine(RequestsHeld, InferenceEngine):
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         """Sample each row's next token with its request's params; record token, logprob and version."""
+        logits = without_placeholders(logits, self._unsampled)
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         logprobs = torch.empty(len(rows), dtype=torch.float32, device=logits.device)
         groups: dict[SamplingParams, list[int]] = {}
