@@ -3,14 +3,17 @@ apart by task, the format penalty, the registry's option checks and the generic 
 
 from __future__ import annotations
 
+import io
 import itertools
 
 import gymnasium
 import pytest
+from PIL import Image
 
 from roll.envs import ENVIRONMENTS, check_env, make_env
 from roll.envs.agents import ConstantAgent, FrozenLakeExpert, RandomAgent, play
-from roll.envs.frozen_lake import ACTIONS, FrozenLake, shortest_path
+from roll.envs.base import ImageObservation
+from roll.envs.frozen_lake import ACTIONS, CELL_PIXELS, COLOURS, FrozenLake, shortest_path
 from roll.envs.gym_adapter import GymnasiumTextEnv
 from roll.envs.seeds import held_out_seeds, training_seeds
 
@@ -51,6 +54,30 @@ def test_a_malformed_action_costs_the_format_penalty_and_the_episode_goes_on() -
         assert observation.startswith("Invalid action. Answer with one letter: L, D, R or U.")
         assert observation.endswith(start)  # the player did not move
     assert env.step(shortest_path(start)[0])[4]["action_is_valid"]
+
+
+def test_a_map_rendered_as_a_picture_shows_each_cell_in_its_square_and_keeps_the_grid_as_state() -> None:
+    pictured, text = FrozenLake(size=4, render="image"), FrozenLake(size=4)
+    observation, _ = pictured.reset(3)
+    grid, _ = text.reset(3)
+    assert isinstance(observation, ImageObservation) and observation.state == grid and observation.text == ""
+    picture = Image.open(io.BytesIO(observation.images[0]))
+    assert picture.size == (4 * CELL_PIXELS, 4 * CELL_PIXELS)
+    for r, row in enumerate(grid.split("\n")):
+        for c, cell in enumerate(row):
+            centre = (c * CELL_PIXELS + CELL_PIXELS // 2, r * CELL_PIXELS + CELL_PIXELS // 2)
+            assert picture.getpixel(centre) == COLOURS[cell], (r, c, cell)
+    # The expert reads the state behind the picture; a move changes the picture; a bad turn keeps it.
+    assert FrozenLakeExpert().act(observation) == shortest_path(grid)[0]
+    moved = pictured.step(shortest_path(grid)[0])[0]
+    assert moved.state == text.step(shortest_path(grid)[0])[0] and moved.images != observation.images
+    invalid = pictured.step("X")[0]
+    assert invalid.images == moved.images and invalid.text.startswith(
+        "Invalid action. Answer with one letter"
+    )
+    assert check_env("env", "frozen_lake", {"render": "video"})[0].endswith(
+        "render must be one of text, image, got 'video'"
+    )
 
 
 def test_slippery_moves_follow_gymnasium_and_the_seed() -> None:

@@ -4,22 +4,43 @@ pixel values and grids travel with the sample; roll.strategies.vision)."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import io
+from types import SimpleNamespace
 
 import pytest
 import torch
 from PIL import Image
 
+from roll.config import load_config
 from roll.config.common import TinyModelConfig, TinyVisionConfig
 from roll.data.batch import Batch
+from roll.data.chat_turns import ChatTurns
 from roll.data.images import IMAGES, ImagePrompts, ImageSource, VisionInputs
 from roll.data.padding import left_pad
-from roll.models.loading import load_causal_lm, load_image_processor, load_tokenizer
+from roll.envs.frozen_lake import FrozenLake
+from roll.models.loading import (
+    end_of_sequence_ids,
+    load_causal_lm,
+    load_image_processor,
+    load_tokenizer,
+    placeholder_token_ids,
+)
 from roll.models.tiny import save_tiny_model
+from roll.pipelines.preflight import (
+    check_env_pictures,
+    check_vision_pipeline,
+    load_run_tokenizer,
+    load_run_vision,
+)
+from roll.rollout.episode import Episode, EpisodeBudget, StopReason
+from roll.rollout.episode_batch import trajectory_batch, turn_batch
 from roll.strategies.hf_forward import response_logprobs
 from roll.strategies.infer.hf import HFEngine
-from roll.strategies.requests import SamplingParams
-from roll.strategies.vision import freeze_vision_tower, mrope_positions, vision_tower
+from roll.strategies.infer.vllm import vllm_prompt
+from roll.strategies.requests import GenerateRequest, SamplingParams
+from roll.strategies.vision import freeze_vision_tower, mrope_positions, placeholder_ids, vision_tower
 
 TINY = TinyModelConfig(
     alphabet="0123456789 abcdefghijklmnopqrstuvwxyz?",
@@ -123,3 +144,140 @@ def test_the_vision_tower_freezes_and_a_text_model_has_none(vlm_dir, tmp_path):
     assert text_weights and all(p.requires_grad for p in text_weights)
     text_model = load_causal_lm(save_tiny_model(TinyModelConfig(), tmp_path / "text"))
     assert vision_tower(text_model) is None and freeze_vision_tower(text_model) == 0
+
+
+def test_vllm_gets_the_expanded_ids_and_the_images_in_placeholder_order(vlm_dir):
+    """vLLM is not run with images here (its Qwen2-VL needs torchvision): what it would be given is."""
+    tokenizer, vision = (
+        load_tokenizer(vlm_dir),
+        ImagePrompts(load_image_processor(vlm_dir), load_tokenizer(vlm_dir)),
+    )
+    ids, inputs = image_prompts(tokenizer, vision)
+    request = GenerateRequest("r", ids[2], SamplingParams(max_new_tokens=2), vision=inputs[2])
+    prompt = vllm_prompt(request, version=3)
+    assert prompt["prompt_token_ids"] == ids[2] and prompt["cache_salt"] == "roll-weights-3"
+    assert [image.size for image in prompt["multi_modal_data"]["image"]] == [(56, 40), (28, 56)]
+    text = vllm_prompt(GenerateRequest("t", ids[3], SamplingParams(max_new_tokens=2)), version=0)
+    assert "multi_modal_data" not in text
+    # Batched, the images stay with their prompts' order.
+    both = VisionInputs.concat([inputs[0], None, inputs[2]])
+    assert [source.data for source in both.sources] == [
+        s.data for s in (*inputs[0].sources, *inputs[2].sources)
+    ]
+    model = load_causal_lm(vlm_dir)
+    assert placeholder_token_ids(vlm_dir) == placeholder_ids(model) and len(placeholder_ids(model)) == 2
+
+
+def with_vllm(cfg):
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="vllm"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], "needs torchvision"),  # rollout.engine: vllm (set below: vLLM is not installed here)
+        (["critic.lr=1e-4", "algorithm.advantage_estimator=gae"], "critic: a value model"),
+        (
+            ["actor.world_size=2", "actor.sequence_parallel_size=2", "model.attn_implementation=sdpa_varlen"],
+            "actor.sequence_parallel_size",
+        ),
+    ],
+)
+def test_what_images_cannot_go_through_yet_is_refused_before_the_run(at_repo_root, overrides, expected):
+    cfg = load_config("examples/vlm_shapes.yaml", overrides)
+    vision = load_run_vision(cfg.model, load_run_tokenizer(cfg.model))
+    assert vision is not None and check_vision_pipeline(load_config("examples/vlm_shapes.yaml"), vision) == []
+    if not overrides:
+        cfg = with_vllm(cfg)
+    problems = check_vision_pipeline(cfg, vision)
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
+def test_vllm_with_images_is_let_through_where_torchvision_is_installed(at_repo_root, monkeypatch):
+    cfg = with_vllm(load_config("examples/vlm_shapes.yaml"))
+    vision = load_run_vision(cfg.model, load_run_tokenizer(cfg.model))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "torchvision" else real(name, *a)
+    )
+    assert check_vision_pipeline(cfg, vision) == []
+    dpo = SimpleNamespace(pipeline="dpo", model=cfg.model)
+    assert "pipeline: dpo does not take a vision-language model" in check_vision_pipeline(dpo, vision)[0]
+
+
+def play_pictures(engine: HFEngine, episode: Episode, params: SamplingParams) -> Episode:
+    """One episode on the engine, each turn generated with the pictures of its context."""
+    episode.start()
+    while (request := episode.next_request()) is not None:
+        context, _ = request
+        vision = episode.vision_inputs(episode.turn_images(len(episode.turns)))
+        request_id = f"s{episode.seed}h{episode.history_turns}t{len(episode.turns)}"
+        engine.submit(GenerateRequest(request_id, context, params, vision=vision))
+        result = engine.await_result(request_id, 60.0)
+        episode.add_turn(result.token_ids, result.logprobs, [0] * len(result.token_ids), result.finish_reason)
+    return episode
+
+
+def test_episodes_of_pictures_train_on_the_logprobs_the_engine_sampled_with(tmp_path):
+    """FrozenLake as pictures, multi-turn: each observation's picture sits among the response's ids
+    (trajectory-wise) or in a turn's window (step-wise), and the trainer scores every sampled token as the
+    engine did; the pictures' own positions score 0 and nothing overflows."""
+    vlm_dir = save_tiny_model(dataclasses.replace(TINY, max_position_embeddings=512), tmp_path / "model")
+    tokenizer = load_tokenizer(vlm_dir)
+    vision = ImagePrompts(load_image_processor(vlm_dir), tokenizer)
+    # Every character ends a turn (one token a turn, none of them an action: each turn is invalid, and
+    # the env answers with the same picture, so the episode runs to max_turns).
+    letters = tokenizer.convert_tokens_to_ids(list("0123456789abcdefghijklmnopqrstuvwxyz?"))
+    stops = [*end_of_sequence_ids(tokenizer), *letters]
+    chat = ChatTurns(tokenizer, stops, vision=vision)
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, stop_token_ids=tuple(letters))
+    budget = EpisodeBudget(max_turns=4, max_tokens_per_turn=3, max_context_tokens=400)
+    model = sharpened(load_causal_lm(vlm_dir))
+    engine = HFEngine(model, tokenizer)
+    try:
+        torch.manual_seed(0)
+        whole = play_pictures(engine, Episode(FrozenLake(render="image"), 3, chat, budget), params)
+        windows = play_pictures(engine, Episode(FrozenLake(render="image"), 5, chat, budget, 1), params)
+    finally:
+        engine.shutdown()
+    per_picture = 4  # 112x112 resized to the tiny processor's 56x56: 16 patches, 4 tokens
+    assert whole.stop_reason == StopReason.MAX_TURNS and len(whole.turns) == 4
+    assert whole.prompt_ids.count(vision.image_token_id) == per_picture
+    assert whole.response_ids.count(vision.image_token_id) == 3 * per_picture  # after turns 1-3
+    assert [len(whole.turn_images(k)) for k in range(4)] == [1, 2, 3, 4] and len(whole.images()) == 4
+    assert [len(windows.turn_images(k)) for k in range(4)] == [1, 2, 2, 2]  # its picture, then the last one
+
+    pad = tokenizer.pad_token_id
+    for batch in (
+        trajectory_batch([whole], [0], ["w"], {}, pad),
+        turn_batch([whole, windows], [0, 1], ["w", "s"], {}, pad),
+    ):
+        trained = batch["loss_mask"].bool()
+        logprobs, _ = response_logprobs(model, batch)
+        assert torch.isfinite(logprobs).all() and trained.sum() >= 4
+        assert torch.allclose(logprobs[trained], batch["rollout_logprobs"][trained], atol=1e-5)
+        pictured = batch["response_ids"] == vision.image_token_id
+        assert (logprobs[pictured] == 0).all()
+    # The positions matter: trajectory-wise, the text after the first picture runs 2 positions behind.
+    _, offsets = mrope_positions(
+        model,
+        torch.tensor([whole.prompt_ids]),
+        torch.ones(1, len(whole.prompt_ids)),
+        whole.vision_inputs(whole.prompt_images),
+    )
+    assert offsets.tolist() == [-2]
+
+
+def test_an_env_of_pictures_needs_a_vision_language_model_and_agent_programs_take_none_yet(at_repo_root):
+    text_run = load_config("examples/agentic_frozenlake.yaml")
+    pictured = dataclasses.replace(
+        text_run, env=dataclasses.replace(text_run.env, options={"render": "image"})
+    )
+    (problem,) = check_env_pictures(pictured, None)
+    assert "env: frozen_lake shows pictures, and the tiny model is a text-only model" in problem
+    assert check_env_pictures(text_run, None) == []
+    cfg = load_config("examples/agentic_frozenlake_vlm.yaml")
+    vision = load_run_vision(cfg.model, load_run_tokenizer(cfg.model))
+    assert check_vision_pipeline(cfg, vision) == [] and check_env_pictures(cfg, vision) == []
+    agent = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, name="agent", options={}))
+    assert "env.name: agent does not pass pictures" in check_vision_pipeline(agent, vision)[0]

@@ -86,3 +86,33 @@ def test_a_vision_language_model_learns_resumes_and_saves_what_transformers_play
 
     held_out = [row for _, row in read_rows("examples/data/shapes/eval.parquet")][:48]
     assert greedy_score(finished / "model", held_out) == pytest.approx(evals[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_session", "at_repo_root")
+def test_agentic_episodes_of_pictures_run_through_every_role(tmp_path: Path) -> None:
+    """examples/agentic_frozenlake_vlm.yaml cut to its wiring (the example's learning is measured in
+    docs/vlm.md): the expert's pictures reach the warm start, each turn's pictures reach the rollout
+    workers over Ray, and the trainer scores what the engine sampled with the same pictures."""
+    from roll.cli import train
+
+    run = tmp_path / "lake"
+    overrides = [
+        "steps=2",
+        "sft_warm_start.episodes=48",
+        "sft_warm_start.steps=4",
+        "rollout.rollout_batch_size=4",
+        "rollout.num_return_sequences=4",
+        "eval.seeds=8",
+        "eval.every_steps=2",
+        "checkpoint.every_steps=0",
+        "tracking.backends=[jsonl]",
+        f"output_dir={run}",
+    ]
+    train("examples/agentic_frozenlake_vlm.yaml", overrides, resume=None, overwrite=False)
+    steps = [row for row in metrics(run) if "rollout/logprob_diff_max" in row]
+    assert len(steps) == 2 and max(row["rollout/logprob_diff_max"] for row in steps) < 1e-4, steps
+    assert all(row["episode/turns"] >= 1 for row in steps)
+    sft = [row for row in metrics(run / "sft") if "sft/loss" in row]
+    assert len(sft) == 4 and sft[-1]["sft/loss"] < sft[0]["sft/loss"], sft
+    assert (run / "model" / "preprocessor_config.json").is_file()

@@ -10,12 +10,19 @@ ids in the episode and are masked out of the loss.
 Encoding the delta alone is what keeps token-in-token-out: encoding the whole conversation again
 could merge the policy's last characters with the template's next ones into other ids (a BPE
 tokenizer does), and the ids trained on would not be the ids sampled.
+
+An observation with pictures (``roll.envs.base.ImageObservation``) is a user turn of image parts and its
+text; its placeholders are expanded to each picture's token count as it is encoded (``vision``: the
+vision-language model's ``ImagePrompts``), so its ids are final and its pictures travel beside them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from roll.data.images import ImagePrompts, ImageSource
 
 # A conversation whose content no template rewrites: the delta of an observation does not depend on it.
 _FIXED_USER, _FIXED_ASSISTANT = "x", "y"
@@ -33,14 +40,22 @@ class ChatTurns:
         tokenizer: a Hugging Face tokenizer with a chat template.
         end_of_turn_ids: the ids that end the policy's turn (the engine's stop ids: every EOS id).
         system_prompt: the system message of every episode, if any.
+        vision: a vision-language policy's image processing (``roll.data.images.ImagePrompts``), which
+            observations with pictures need.
 
     Raises:
         ChatTemplateError: the template rewrites earlier turns when one is appended, or writes no
             end-of-turn token after an assistant turn.
     """
 
-    def __init__(self, tokenizer: Any, end_of_turn_ids: Sequence[int], system_prompt: str | None = None):
-        self.tokenizer = tokenizer
+    def __init__(
+        self,
+        tokenizer: Any,
+        end_of_turn_ids: Sequence[int],
+        system_prompt: str | None = None,
+        vision: ImagePrompts | None = None,
+    ):
+        self.tokenizer, self.vision = tokenizer, vision
         self.end_of_turn_ids = frozenset(end_of_turn_ids)
         self.system = [{"role": "system", "content": system_prompt}] if system_prompt else []
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
@@ -67,13 +82,20 @@ class ChatTurns:
         self._after_end_of_turn = after_content[len(end) :]
         self._after_content = after_content
 
-    def first_prompt(self, observation: str) -> list[int]:
+    def first_prompt(self, observation: Any) -> list[int]:
         """The ids of the episode's prompt: the system message, the first observation, the generation
         prompt."""
-        text = self._render([*self.system, {"role": "user", "content": observation}], generation_prompt=True)
-        return self._encode(text)
+        content = self._content(observation)
+        text = self._render([*self.system, {"role": "user", "content": content}], generation_prompt=True)
+        return self._expanded(self._encode(text), observation)
 
-    def observation_ids(self, observation: str, turn_closed: bool = True) -> list[int]:
+    def images(self, observation: Any) -> tuple[ImageSource, ...]:
+        """The pictures an observation shows, in the order of their placeholders (() for text)."""
+        from roll.data.images import ImageSource
+
+        return tuple(ImageSource(data=data) for data in getattr(observation, "images", ()))
+
+    def observation_ids(self, observation: Any, turn_closed: bool = True) -> list[int]:
         """The ids that follow the policy's turn: the rest of its closing (ChatML's newline), the user
         turn holding ``observation`` and the next generation prompt. ``turn_closed``: the turn's last
         sampled id is an end-of-turn id; when False (a turn ended by another stop id) the end-of-turn
@@ -82,7 +104,8 @@ class ChatTurns:
         Raises:
             ChatTemplateError: the template renders earlier turns differently once one is appended.
         """
-        return self.continuation_ids([{"role": "user", "content": observation}], turn_closed)
+        ids = self.continuation_ids([{"role": "user", "content": self._content(observation)}], turn_closed)
+        return self._expanded(ids, observation)
 
     def continuation_ids(self, messages: Sequence[dict[str, Any]], turn_closed: bool = True) -> list[int]:
         """The ids that follow the policy's turn when ``messages`` (user or tool turns, any the template
@@ -101,6 +124,27 @@ class ChatTurns:
             )
         head = self._after_end_of_turn if turn_closed else self._after_content
         return self._encode(head + extended[len(self._closed) :])
+
+    def _content(self, observation: Any) -> Any:
+        """A user turn's content: the text, or an image observation's image parts then its text."""
+        if isinstance(observation, str):
+            return observation
+        if self.vision is None:
+            raise ValueError(
+                "the environment shows pictures, and the policy is a text-only model; train a "
+                "vision-language model (model.path, or model.tiny.vision) or render the env as text"
+            )
+        text = [{"type": "text", "text": observation.text}] if observation.text else []
+        return [{"type": "image"} for _ in observation.images] + text
+
+    def _expanded(self, ids: list[int], observation: Any) -> list[int]:
+        """``ids`` with each picture's placeholder repeated to its token count."""
+        images = self.images(observation)
+        if not images:
+            return ids
+        assert self.vision is not None
+        counts = [self.vision.tokens_per_image(image) for image in images]
+        return self.vision.expand(ids, counts, "an observation of the environment")
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(

@@ -40,10 +40,13 @@ IMAGE_TOKEN = (
 class VisionInputs:
     """What a vision-language model reads besides the ids of one prompt (or of several, concatenated):
     the image processor's ``pixel_values`` [patches, features] and each image's ``image_grid_thw``
-    [images, 3] (temporal, height and width, in patches). Travels with the sample (requests, batches)."""
+    [images, 3] (temporal, height and width, in patches), and the images themselves (``sources``: an
+    engine that runs the image processor itself, vLLM, reads those). Travels with the sample (requests,
+    batches)."""
 
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor
+    sources: tuple[ImageSource, ...] = ()
 
     @staticmethod
     def concat(items: Sequence[VisionInputs | None]) -> VisionInputs | None:
@@ -56,10 +59,11 @@ class VisionInputs:
         return VisionInputs(
             torch.cat([item.pixel_values for item in present]),
             torch.cat([item.image_grid_thw for item in present]),
+            tuple(source for item in present for source in item.sources),
         )
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> VisionInputs:
-        return VisionInputs(self.pixel_values.to(device, dtype), self.image_grid_thw.to(device))
+        return VisionInputs(self.pixel_values.to(device, dtype), self.image_grid_thw.to(device), self.sources)
 
 
 @dataclass(frozen=True)
@@ -158,4 +162,4 @@ class ImagePrompts:
     def inputs(self, sources: Sequence[ImageSource]) -> VisionInputs:
         """The pixel values and grids of one prompt's images."""
         processed = self.image_processor(images=[source.open() for source in sources], return_tensors="pt")
-        return VisionInputs(processed["pixel_values"], processed["image_grid_thw"].long())
+        return VisionInputs(processed["pixel_values"], processed["image_grid_thw"].long(), tuple(sources))

@@ -65,7 +65,9 @@ class PromptSet:
         assert self.vision is not None
         inputs = self.vision.inputs(sources)
         tokens = int((inputs.image_grid_thw.prod(dim=1) // self.vision.merge_size**2).sum())
-        placeholders = sum(1 for token in self.token_ids[index] if token == self.vision.image_token_id)
+        # A demonstration row's response holds the pictures its environment showed after the prompt.
+        ids = [*self.token_ids[index], *self.rows[index].get("response_ids", ())]
+        placeholders = sum(1 for token in ids if token == self.vision.image_token_id)
         if tokens != placeholders:
             raise RuntimeError(
                 f"prompt {index}'s images make {tokens} image tokens, but its ids hold {placeholders} "

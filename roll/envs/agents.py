@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from roll.envs.base import TextEnv
+from roll.envs.base import Observation, TextEnv, observed_state
 from roll.envs.frozen_lake import ACTIONS, shortest_path
 from roll.utils.registry import Registry, accepted_kwargs
 
@@ -56,8 +56,8 @@ class FrozenLakeExpert:
             raise ValueError(f"noise must be in [0, 1], got {noise}")
         self.noise, self.rng = noise, random.Random(seed)
 
-    def act(self, observation: str) -> str:
-        path = shortest_path(observation)
+    def act(self, observation: Observation) -> str:
+        path = shortest_path(observed_state(observation))
         if self.rng.random() < self.noise or not path:
             return self.rng.choice(ACTIONS)
         return path[0]

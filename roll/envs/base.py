@@ -13,6 +13,10 @@ step returns ``info["action_is_valid"] = False``, the env's ``invalid_action_rew
 that says what was expected, and the episode goes on (the format penalty). ``info["metrics"]`` holds the
 env's own numbers for the step (e.g. ``success``), averaged per episode by whoever runs it.
 
+An observation is text, or an ``ImageObservation`` (``FrozenLake(render="image")``): pictures and text for
+a vision-language policy, with the env's text rendering of the same state beside them (``state``: what an
+expert reads and GiGPO compares, never shown to the policy).
+
 ``layout(seed)`` names the task a seed makes (a map, as text), or None when seeds never repeat a task:
 training seeds whose layout is a held-out one are skipped, so a held-out task is never trained on.
 """
@@ -22,11 +26,23 @@ from __future__ import annotations
 import abc
 import inspect
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Any
 
 from roll.utils.registry import Registry, did_you_mean
 
-Observation = str
+
+@dataclass(frozen=True)
+class ImageObservation:
+    """An observation with pictures: ``images`` (encoded PNG or JPEG) then ``text`` are what the policy
+    reads; ``state`` renders the same state as text for experts and anchor states (not shown)."""
+
+    text: str
+    images: tuple[bytes, ...]
+    state: str
+
+
+Observation = str | ImageObservation
 StepResult = tuple[Observation, float, bool, bool, dict[str, Any]]
 
 
@@ -82,11 +98,23 @@ def check_env(key: str, name: str, options: dict[str, Any]) -> list[str]:
     return problems
 
 
-def invalid_action(action_help: str, observation: str, reward: float) -> StepResult:
+def observed_state(observation: Observation) -> str:
+    """The state an observation shows, as text (an image observation's ``state``)."""
+    return observation.state if isinstance(observation, ImageObservation) else observation
+
+
+def invalid_action(action_help: str, observation: Observation, reward: float) -> StepResult:
     """The step result of a turn the env cannot parse (the format penalty): ``reward``, an observation
     that says what a valid turn looks like above the unchanged ``observation``, and the episode goes on."""
+    said = f"Invalid action. {action_help}"
+    if isinstance(observation, ImageObservation):
+        shown: Observation = ImageObservation(
+            f"{said}\n{observation.text}".rstrip("\n"), observation.images, observation.state
+        )
+    else:
+        shown = f"{said}\n{observation}"
     return (
-        f"Invalid action. {action_help}\n{observation}",
+        shown,
         reward,
         False,
         False,

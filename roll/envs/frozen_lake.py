@@ -12,6 +12,10 @@ goal) and seeds the slips, so a seed is a task. The observation is the grid, one
 episode ends, reward 1). A turn is one letter: ``L``, ``D``, ``R`` or ``U`` (left, down, right, up;
 case and surrounding whitespace ignored). With ``slippery``, a move goes the intended way with
 probability ``success_rate`` and sideways otherwise (Gymnasium's rule).
+
+With ``render="image"`` the policy sees the grid as a picture instead (an ``ImageObservation``, for a
+vision-language model): each cell a ``CELL_PIXELS`` square (one image token of Qwen2-VL, whose tokens are
+28x28 pixels), ice light, holes dark, the goal green, the player red.
 """
 
 from __future__ import annotations
@@ -19,17 +23,29 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from roll.envs.base import ENVIRONMENTS
+from roll.envs.base import ENVIRONMENTS, ImageObservation, Observation
 from roll.envs.gym_adapter import DEFAULT_INVALID_ACTION_REWARD, GymnasiumTextEnv, action_parser
 
 ACTIONS = ("L", "D", "R", "U")  # Gymnasium's order: 0 left, 1 down, 2 right, 3 up
 MOVES = {"L": (0, -1), "D": (1, 0), "R": (0, 1), "U": (-1, 0)}
 PLAYER, ICE, HOLE, GOAL = "P", "_", "H", "G"
+RENDERS = ("text", "image")
+CELL_PIXELS = 28
+COLOURS = {PLAYER: (220, 40, 40), ICE: (225, 235, 250), HOLE: (25, 35, 80), GOAL: (40, 170, 60)}
 
 
 def _check_options(
-    size: int = 4, frozen_prob: float = 0.8, slippery: bool = False, success_rate: float = 1 / 3, **_: object
+    size: int = 4,
+    frozen_prob: float = 0.8,
+    slippery: bool = False,
+    success_rate: float = 1 / 3,
+    render: str = "text",
+    **_: object,
 ) -> None:
+    if render not in RENDERS:
+        raise ValueError(
+            f"environment 'frozen_lake': render must be one of {', '.join(RENDERS)}, got {render!r}"
+        )
     if not isinstance(size, int) or not 2 <= size <= 32:
         raise ValueError(f"environment 'frozen_lake': size must be an integer from 2 to 32, got {size!r}")
     if not 0.0 < frozen_prob <= 1.0:
@@ -48,6 +64,8 @@ class FrozenLake(GymnasiumTextEnv):
         slippery: moves may slip sideways.
         success_rate: with ``slippery``, the probability that a move goes the intended way.
         invalid_action_reward: the reward of a turn that is not one of L, D, R, U.
+        render: "text" (the grid as letters) or "image" (the grid as a picture, for a vision-language
+            policy).
     """
 
     def __init__(
@@ -57,13 +75,15 @@ class FrozenLake(GymnasiumTextEnv):
         slippery: bool = False,
         success_rate: float = 1 / 3,
         invalid_action_reward: float = DEFAULT_INVALID_ACTION_REWARD,
+        render: str = "text",
     ):
-        _check_options(size, frozen_prob, slippery, success_rate)
+        _check_options(size, frozen_prob, slippery, success_rate, render)
         self.size, self.frozen_prob = size, frozen_prob
         self.slippery, self.success_rate = slippery, success_rate
+        show = render_picture if render == "image" else (lambda grid: grid)
         super().__init__(
             make=self._make,
-            render=lambda env, state: render_grid(env.unwrapped.desc, int(state)),
+            render=lambda env, state: show(render_grid(env.unwrapped.desc, int(state))),
             parse_action=action_parser(ACTIONS),
             action_help="Answer with one letter: L, D, R or U.",
             invalid_action_reward=invalid_action_reward,
@@ -99,6 +119,25 @@ def render_grid(desc: Any, state: int) -> str:
             cells[state % width] = PLAYER
         lines.append("".join(cells))
     return "\n".join(lines)
+
+
+def render_picture(grid: str) -> Observation:
+    """The rendered ``grid`` as a picture (PNG), one ``CELL_PIXELS`` square per cell, with the grid as
+    the observation's state."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    rows = grid.split("\n")
+    picture = Image.new("RGB", (len(rows[0]) * CELL_PIXELS, len(rows) * CELL_PIXELS))
+    draw = ImageDraw.Draw(picture)
+    for r, row in enumerate(rows):
+        for c, cell in enumerate(row):
+            left, top = c * CELL_PIXELS, r * CELL_PIXELS
+            draw.rectangle([left, top, left + CELL_PIXELS - 1, top + CELL_PIXELS - 1], fill=COLOURS[cell])
+    encoded = io.BytesIO()
+    picture.save(encoded, format="PNG")
+    return ImageObservation("", (encoded.getvalue(),), grid)
 
 
 def shortest_path(grid: str) -> list[str] | None:

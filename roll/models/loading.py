@@ -78,6 +78,16 @@ def is_vision_language(path: str | os.PathLike) -> bool:
     return isinstance(config, dict) and config.get("vision_config") is not None
 
 
+def placeholder_token_ids(path: str | os.PathLike) -> tuple[int, ...]:
+    """The image and video placeholder ids of the vision-language model saved at ``path`` (from its
+    ``config.json``; ``roll.strategies.vision.placeholder_ids`` reads a loaded model's), () for a text one."""
+    if not is_vision_language(path):
+        return ()
+    config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    ids = (config.get(name) for name in ("image_token_id", "video_token_id"))
+    return tuple(int(i) for i in ids if i is not None)
+
+
 def load_image_processor(path: str | os.PathLike) -> Any:
     """The image processor of the vision-language model saved at ``path``, or None for a text-only model.
 

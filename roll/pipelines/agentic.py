@@ -48,6 +48,7 @@ class AgenticPipeline(PolicyPipeline):
     def take_inputs(self, inputs: RunInputs) -> None:
         cfg = self.config
         self.seed_order = SeedOrder(make_env(cfg.env.name, cfg.env.options), cfg.eval.seeds)
+        self.vision = inputs.vision  # a vision-language policy's image processing (pictures in observations)
 
     @property
     def rows_vary(self) -> bool:  # step-wise: one row per turn
@@ -67,7 +68,7 @@ class AgenticPipeline(PolicyPipeline):
     def chat(self) -> ChatTurns:
         """Turn-by-turn ids of the policy's chat template; a turn ends at any of the engine's stop ids."""
         stop_ids = turn_stop_ids(self.tokenizer, self.model_path, self.config.rollout.stop_token_ids)
-        return ChatTurns(self.tokenizer, stop_ids, self.config.env.system_prompt)
+        return ChatTurns(self.tokenizer, stop_ids, self.config.env.system_prompt, self.vision)
 
     def warm_start(self, inputs: RunInputs) -> str:
         """SFT on the expert's episodes (training seeds only); its model starts RL."""
@@ -132,14 +133,22 @@ def expert_rows(
     ]
     if history_turns is None:
         rows = [{"response_ids": e.response_ids, "loss_mask": e.loss_mask, "seed": e.seed} for e in played]
-        return PromptSet(rows, [""] * len(rows), [e.prompt_ids for e in played])
-    rows, prompts = [], []
+        pictures = [e.images() or None for e in played]
+        return _rows(rows, [e.prompt_ids for e in played], pictures, chat)
+    rows, prompts, pictures = [], [], []
     for episode in played:
         for k, turn in enumerate(episode.turns):
             ids = episode.response_ids[turn.start : turn.end]
             rows.append({"response_ids": ids, "loss_mask": [1] * len(ids), "seed": episode.seed})
             prompts.append(episode.turn_context(k))
-    return PromptSet(rows, [""] * len(rows), prompts)
+            pictures.append(episode.turn_images(k) or None)
+    return _rows(rows, prompts, pictures, chat)
+
+
+def _rows(rows: list[dict], prompts: list[list[int]], pictures: list, chat: ChatTurns) -> PromptSet:
+    """Demonstration rows as prompts, with their pictures where the env showed any."""
+    shown = any(p is not None for p in pictures)
+    return PromptSet(rows, [""] * len(rows), prompts, images=pictures if shown else None, vision=chat.vision)
 
 
 def episodes_per_step(cfg: AgenticConfig) -> int:

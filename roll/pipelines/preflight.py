@@ -9,6 +9,7 @@ handed to the pipeline, which does not load them again.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import tempfile
@@ -23,6 +24,7 @@ from roll.data.columns import ANSWER, merged_columns
 from roll.data.dataset import DatasetError
 from roll.data.prompts import PromptSet, load_datasets, load_prompts
 from roll.pipelines.engine_preflight import check_vllm_fits
+from roll.rollout.agent_runs import AGENT_ENV
 from roll.utils.registry import Registry
 
 # How long the Ray cluster named by ray.address has to accept a connection.
@@ -37,6 +39,7 @@ class RunInputs:
     train: Any  # a PromptSet (a PreferenceSet in DPO); None: the run reads no dataset (agentic)
     eval: Any
     task_eval: PromptSet | None = None  # DPO: held-out task prompts beside the held-out pairs
+    vision: Any = None  # a vision-language policy's image processing (roll.data.images.ImagePrompts)
 
 
 @dataclass(frozen=True)
@@ -164,8 +167,8 @@ def preflight(cfg: Any) -> RunInputs:
         + check_vision_pipeline(cfg, vision)
     )
     if cfg.pipeline == "agentic":  # no dataset: episodes come from the environment
-        _refuse(check_chat_template(cfg, tokenizer))
-        return RunInputs(tokenizer, None, None)
+        _refuse(check_chat_template(cfg, tokenizer) + check_env_pictures(cfg, vision))
+        return RunInputs(tokenizer, None, None, vision=vision)
     if getattr(cfg, "domains", None):
         inputs = RunInputs(tokenizer, *load_domains(cfg, tokenizer, vision))
         check_distill_routes(cfg, inputs.train)
@@ -308,7 +311,7 @@ def load_run_vision(model: ModelConfig, tokenizer: Any) -> Any:
 
 
 # What a vision-language policy runs in: the RLVR and SFT pipelines on the hf engine (docs/vlm.md).
-VISION_PIPELINES = ("rlvr", "sft")
+VISION_PIPELINES = ("rlvr", "sft", "agentic")
 
 
 def check_vision_pipeline(cfg: Any, vision: Any) -> list[str]:
@@ -318,14 +321,20 @@ def check_vision_pipeline(cfg: Any, vision: Any) -> list[str]:
     name = _model_name(cfg.model)
     if cfg.pipeline not in VISION_PIPELINES:
         return [
-            f"pipeline: {cfg.pipeline} does not take a vision-language model ({name}) yet; the RLVR and SFT "
-            "pipelines do (docs/vlm.md)"
+            f"pipeline: {cfg.pipeline} does not take a vision-language model ({name}) yet; the RLVR, SFT "
+            "and agentic pipelines do (docs/vlm.md)"
+        ]
+    if cfg.pipeline == "agentic" and cfg.env.name == AGENT_ENV:
+        return [
+            f"env.name: agent does not pass pictures through the endpoint yet: train {name} on an "
+            "environment (docs/vlm.md)"
         ]
     rollout = getattr(cfg, "rollout", None)
-    if getattr(rollout, "engine", "hf") != "hf":
+    if getattr(rollout, "engine", "hf") == "vllm" and importlib.util.find_spec("torchvision") is None:
         return [
-            f"rollout.engine: {rollout.engine} does not take image prompts yet (vLLM's Qwen2-VL needs "
-            "torchvision, which has no CPU build for this torch); use rollout.engine=hf (docs/vlm.md)"
+            f"rollout.engine: vllm cannot read the images of {name} here: vLLM's Qwen2-VL needs torchvision "
+            "(install the build that matches your torch; this project's CPU torch has none); use "
+            "rollout.engine=hf (docs/vlm.md)"
         ]
     problems = []
     if getattr(cfg, "critic", None) is not None:
@@ -338,6 +347,25 @@ def check_vision_pipeline(cfg: Any, vision: Any) -> list[str]:
                 f"{section}.sequence_parallel_size: image prompts are not split across ranks yet; set 1"
             )
     return problems
+
+
+def check_env_pictures(cfg: Any, vision: Any) -> list[str]:
+    """An environment that shows pictures needs a vision-language policy (its first observation tells)."""
+    from roll.envs.base import ImageObservation, make_env
+
+    if vision is not None or cfg.env.name == AGENT_ENV:
+        return []
+    env = make_env(cfg.env.name, cfg.env.options)
+    try:
+        observation, _ = env.reset(0)
+    finally:
+        env.close()
+    if not isinstance(observation, ImageObservation):
+        return []
+    return [
+        f"env: {cfg.env.name} shows pictures, and {_model_name(cfg.model)} is a text-only model; train a "
+        "vision-language model (model.path, or model.tiny.vision) or render the environment as text"
+    ]
 
 
 def check_stop_token_ids(cfg: Any, tokenizer: Any) -> list[str]:

@@ -23,6 +23,12 @@ The environment is stepped here (``env`` given: tests, agents in one process) or
 Then ``start(observation)`` takes the reset's observation, ``add_turn`` returns the action text to step
 with, and ``observe`` takes the step's result.
 
+An observation with pictures (``ImageObservation``, a vision-language policy) puts its expanded
+placeholders among the ids, and the episode keeps its pictures where their ids start: ``turn_images(k)``
+are the pictures of what turn ``k`` is generated from (its window, step-wise), ``images()`` those of the
+whole episode, in the order of their placeholders, and ``vision_inputs`` makes their pixel values (once
+per picture).
+
 Budgets are separate and each ends the episode with its own ``StopReason``: ``max_tokens_per_turn``
 (a turn that reaches it without a stop id is ``turn_truncated``; its text is never acted on),
 ``max_turns`` and ``max_context_tokens`` (what a turn is generated from plus the turn: the whole episode,
@@ -36,7 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from roll.data.chat_turns import ChatTurns
-from roll.envs.base import TextEnv
+from roll.data.images import ImageSource, VisionInputs
+from roll.envs.base import Observation, TextEnv
 
 
 class StopReason(str, enum.Enum):
@@ -68,7 +75,7 @@ class Turn:
     start: int
     end: int  # exclusive
     text: str
-    observation: str = ""  # what the env showed before this turn (its state: GiGPO's anchor)
+    observation: Observation = ""  # what the env showed before this turn (its state: GiGPO's anchor)
     reward: float = 0.0
     acted: bool = False  # the env stepped with it (a truncated or aborted turn is never acted on)
     action_is_valid: bool = True
@@ -91,8 +98,12 @@ class Episode:
         self.history_turns = history_turns  # None: trajectory-wise (a turn sees the whole episode)
         if history_turns is not None and history_turns < 0:
             raise ValueError(f"history_turns must be >= 0 or None, got {history_turns}")
-        self.observation = ""  # the env's latest observation (the last one, once the episode ended)
+        self.observation: Observation = ""  # the env's latest (the last one, once the episode ended)
         self.prompt_ids: list[int] = []
+        self.prompt_images: tuple[ImageSource, ...] = ()
+        # Each observation's pictures after the prompt, by where its ids start in response_ids.
+        self.observed_images: list[tuple[int, tuple[ImageSource, ...]]] = []
+        self._pixels: dict[ImageSource, VisionInputs] = {}
         self.response_ids: list[int] = []
         self.loss_mask: list[int] = []
         self.logprobs: list[float] = []
@@ -104,7 +115,7 @@ class Episode:
 
     # ----- the owner's calls ----------------------------------------------------------------------------
 
-    def start(self, observation: str | None = None) -> None:
+    def start(self, observation: Observation | None = None) -> None:
         """Reset the env (or take the ``observation`` of the owner's reset) and build the prompt."""
         if observation is None:
             try:
@@ -114,6 +125,7 @@ class Episode:
                 return
         self.observation = observation
         self.prompt_ids = self.chat.first_prompt(observation)
+        self.prompt_images = self.chat.images(observation)
         if len(self.prompt_ids) >= self.budget.max_context_tokens:
             self._end(StopReason.CONTEXT_LIMIT)
 
@@ -141,6 +153,35 @@ class Episode:
         observation = self.turns[first].observation if first < len(self.turns) else self.observation
         start = self.turns[first].start if first < len(self.turns) else end
         return self.chat.first_prompt(observation) + self.response_ids[start:end]
+
+    def turn_images(self, k: int) -> tuple[ImageSource, ...]:
+        """The pictures among ``turn_context(k)``'s ids, in order."""
+        end = self.turns[k].start if k < len(self.turns) else len(self.response_ids)
+        first = k - self.history_turns if self.history_turns is not None else 0
+        if first <= 0:
+            head, start = self.prompt_images, 0
+        else:
+            observation = self.turns[first].observation if first < len(self.turns) else self.observation
+            head = self.chat.images(observation)
+            start = self.turns[first].start if first < len(self.turns) else end
+        return head + self._images_between(start, end)
+
+    def images(self) -> tuple[ImageSource, ...]:
+        """The pictures among the whole episode's ids (prompt and response), in order."""
+        return self.prompt_images + self._images_between(0, len(self.response_ids))
+
+    def vision_inputs(self, images: tuple[ImageSource, ...]) -> VisionInputs | None:
+        """The pixel values of ``images`` (None when there are none), each picture processed once."""
+        if not images:
+            return None
+        assert self.chat.vision is not None
+        for image in images:
+            if image not in self._pixels:
+                self._pixels[image] = self.chat.vision.inputs([image])
+        return VisionInputs.concat([self._pixels[image] for image in images])
+
+    def _images_between(self, start: int, end: int) -> tuple[ImageSource, ...]:
+        return tuple(image for at, seen in self.observed_images if start <= at < end for image in seen)
 
     def add_turn(
         self, token_ids: list[int], logprobs: list[float], versions: list[int], finish_reason: str
@@ -178,7 +219,7 @@ class Episode:
         return None
 
     def observe(
-        self, observation: str, reward: float, terminated: bool, truncated: bool, info: dict[str, Any]
+        self, observation: Observation, reward: float, terminated: bool, truncated: bool, info: dict[str, Any]
     ) -> None:
         """The env's answer to the last turn: its reward and metrics, then the next observation (or the
         end of the episode)."""
@@ -194,10 +235,15 @@ class Episode:
             self._end(StopReason.MAX_TURNS)
             return
         observed = self.chat.observation_ids(observation, turn_closed=self._closed)
+        pictures = self.chat.images(observation)
+        if pictures:
+            self.observed_images.append((len(self.response_ids), pictures))
         self._append(observed, trained=False, logprobs=[0.0] * len(observed), versions=[-1] * len(observed))
         # The next turn's context (with this observation) and at least one token of the turn must fit.
         if len(self.turn_context(len(self.turns))) + 1 > self.budget.max_context_tokens:
             self._drop_last(len(observed))
+            if pictures:
+                self.observed_images.pop()
             self._end(StopReason.CONTEXT_LIMIT)
 
     def end(self, reason: StopReason, error: BaseException | None = None) -> None:

@@ -11,17 +11,21 @@
   multiple of ``divisor`` rows (``pad_evenly``) with copies marked ``padding``, whose ``loss_mask`` is 0
   and ``episode_index`` -1: nothing trains on them and no statistic counts them.
 
+Episodes with pictures (a vision-language policy) give each row its pictures' pixel values (``IMAGES``):
+the whole episode's, or the turn's window's.
+
 ``stop_policy`` (stop reason -> ``train``, ``mask`` or ``zero``) applies in both: ``mask`` keeps the
 episode in its group's baseline with no token trained; ``zero`` trains it with every reward 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
 from roll.data.batch import Batch
+from roll.data.images import IMAGES
 from roll.data.padding import left_pad, right_pad
 from roll.rollout.episode import Episode
 
@@ -68,8 +72,14 @@ def trajectory_batch(
             "stop_reason": [e.stop_reason.value for e in episodes],
             "token_rewards": [None] * len(episodes),
             "episode_id": list(episode_ids),
+            **_pictures([e.vision_inputs(e.images()) for e in episodes]),
         },
     )
+
+
+def _pictures(vision: list) -> dict[str, list]:
+    """The batch's ``IMAGES`` field, where any row has pictures."""
+    return {IMAGES: vision} if any(v is not None for v in vision) else {}
 
 
 def turn_batch(
@@ -86,12 +96,13 @@ def turn_batch(
     fields: dict[str, list] = {
         key: [] for key in ("group_index", "episode_index", "turn_index", "turn_rewards", "anchor_index")
     }
-    scores, seeds, reasons, ids = [], [], [], []
-    anchors: dict[tuple[int, str], int] = {}
+    scores, seeds, reasons, ids, vision = [], [], [], [], []
+    anchors: dict[tuple[int, Hashable], int] = {}
     for index, (episode, group, episode_id) in enumerate(zip(episodes, group_index, episode_ids)):
         rule = _rule(stop_policy, episode)
         for k, turn in enumerate(episode.turns):
             prompts.append(episode.turn_context(k))
+            vision.append(episode.vision_inputs(episode.turn_images(k)))
             responses.append(episode.response_ids[turn.start : turn.end])
             logprobs.append(episode.logprobs[turn.start : turn.end])
             trained.append(rule != "mask")
@@ -129,6 +140,7 @@ def turn_batch(
             "stop_reason": reasons,
             "token_rewards": [None] * len(prompts),
             "episode_id": ids,
+            **_pictures(vision),
         },
     )
     return pad_evenly(batch, divisor)

