@@ -113,7 +113,12 @@ def build_tiny_model(cfg: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> 
 def _text_config(cfg: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> Any:
     from transformers import Qwen2Config
 
-    return Qwen2Config(
+    return Qwen2Config(**_text_fields(cfg, tokenizer))
+
+
+def _text_fields(cfg: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """The text model's config fields: a Qwen2 config's, and a Qwen2-VL config's ``text_config``."""
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -149,25 +154,12 @@ def _vision_language_config(
         if ids[key] is None or ids[key] == tokenizer.unk_token_id:
             raise ValueError(f"the tokenizer has no {token}; build it with build_char_tokenizer(vision=True)")
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "mrope_section": mrope_section(head_dim),
-        },
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        dtype="float32",
-    )
+    text = _text_fields(cfg, tokenizer)
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": mrope_section(head_dim),
+    }
     tower = dict(
         depth=vision.depth,
         embed_dim=vision.embed_dim,
