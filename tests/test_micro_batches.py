@@ -191,6 +191,15 @@ def test_row_tokens_with_bool_masks() -> None:
     assert row_tokens(batch) == [2, 4]
 
 
+def test_a_rows_pictures_count_their_patches_the_vision_tower_runs_over() -> None:
+    from roll.data.images import IMAGES, VisionInputs
+
+    batch = make_batch([[0, 1, 1, 1], [1, 1, 1, 1]], [[1, 1, 0], [1, 0, 0]])
+    one_picture = VisionInputs(torch.zeros(16, 8), torch.tensor([[1, 4, 4]]))
+    batch[IMAGES] = [None, one_picture]
+    assert row_tokens(batch) == [5, 5 + 16]
+
+
 # --------------------------------------------------------------------------- trim_prompt_padding
 
 

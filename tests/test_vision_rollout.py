@@ -281,3 +281,84 @@ def test_an_env_of_pictures_needs_a_vision_language_model_and_agent_programs_tak
     assert check_vision_pipeline(cfg, vision) == [] and check_env_pictures(cfg, vision) == []
     agent = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, name="agent", options={}))
     assert "env.name: agent does not pass pictures" in check_vision_pipeline(agent, vision)[0]
+
+
+def test_lora_on_the_text_layers_with_bf16_trains_on_image_prompts_and_syncs_to_the_engine(vlm_dir, tmp_path):
+    """LoRA and bf16 compute take image prompts as text ones: only the text layers' adapters train (the
+    vision tower stays as loaded), bf16 scores the pictures within its rounding of float32, the reference
+    is the base with the adapter off, the adapter merged into an engine scores as the actor does, and the
+    saved adapter is peft's on the plain transformers model (the sharded load maps the files' names)."""
+    from roll.strategies.lora import LoraSpec, outgoing_weights
+    from roll.workers.actor import ActorSpec, ActorWorker, OptimizerSpec
+    from roll.workers.base import ModelSpec
+
+    tokenizer = load_tokenizer(vlm_dir)
+    vision = ImagePrompts(load_image_processor(vlm_dir), tokenizer)
+    ids, inputs = image_prompts(tokenizer, vision)
+    prompt_ids, prompt_mask = left_pad(ids, tokenizer.pad_token_id)
+    batch = Batch(
+        tensors={"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}, non_tensors={IMAGES: inputs}
+    )
+    base = sharpened(load_causal_lm(vlm_dir))
+    engine = HFEngine(base, tokenizer)
+    try:
+        torch.manual_seed(0)
+        batch = batch.union(engine.generate(batch, SamplingParams(max_new_tokens=8, temperature=1.0)))
+    finally:
+        engine.shutdown()
+    mask = batch["response_mask"].float()
+    batch["advantages"] = torch.tensor([[1.0], [-1.0], [1.0], [-1.0]]) * mask
+    batch["group_index"] = torch.zeros(4, dtype=torch.long)
+    with torch.no_grad():
+        exact, _ = response_logprobs(load_causal_lm(vlm_dir), batch)
+
+    lora = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+    spec = ActorSpec(
+        model=ModelSpec(path=str(vlm_dir), dtype="bfloat16"),
+        optimizer=OptimizerSpec(lr=5e-2, total_steps=10),
+        micro_batch_size=2,
+        lora=lora,
+    )
+    worker = ActorWorker("actor", 0, 1, spec)
+    worker.setup()
+    try:
+        trainable = [n for n, p in worker.model.named_parameters() if p.requires_grad]
+        assert trainable and all("lora_" in n and "language_model" in n for n in trainable), trainable
+        tower_before = {n: p.detach().clone() for n, p in worker.model.named_parameters() if "visual" in n}
+        trained = batch["response_mask"].bool()
+        mixed = worker.compute_logprobs(batch)["logprobs"]
+        difference = (mixed - exact)[trained].abs().max().item()
+        assert 0 < difference < 0.1, difference
+        for _ in range(2):
+            worker.train_step(batch)
+        after = dict(worker.model.named_parameters())
+        assert tower_before and all(torch.equal(after[n], p) for n, p in tower_before.items())
+        moved = worker.compute_logprobs(batch)["logprobs"]
+        assert (moved - mixed)[trained].abs().max() > 1e-2
+        reference = worker.compute_reference_logprobs(batch)["logprobs"]
+        assert (reference - exact)[trained].abs().max() < 0.1
+
+        sent = {w.name: w.gather().float() for w in outgoing_weights(worker.model, "adapter")}
+        assert sent and all("language_model" in name for name in sent)
+        served = HFEngine(load_causal_lm(vlm_dir), tokenizer)
+        try:
+            with served.weight_update(1):
+                served.load_adapter(sent)
+            merged, _ = response_logprobs(served._model, batch)
+        finally:
+            served.shutdown()
+        # The engine in float32, the actor in bf16: they agree to bf16's rounding, and both moved.
+        assert (merged - moved)[trained].abs().max() < 0.1
+        assert (merged - exact)[trained].abs().max() > 1e-2
+
+        # The saved adapter is peft's, on the plain transformers model.
+        from peft import PeftModel
+        from transformers import AutoModelForImageTextToText
+
+        saved = worker.save_pretrained(str(tmp_path / "adapter"))
+        plain = AutoModelForImageTextToText.from_pretrained(str(vlm_dir))
+        with torch.no_grad():
+            played, _ = response_logprobs(PeftModel.from_pretrained(plain, saved), batch)
+        assert (played - merged)[trained].abs().max() < 1e-5
+    finally:
+        worker.shutdown()

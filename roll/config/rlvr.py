@@ -216,7 +216,8 @@ class TrainerConfig(OptimizerConfig):
         None,
         ge=1,
         help="Dynamic micro-batches: pack samples up to this many real (prompt + response) tokens per "
-        "forward/backward instead of micro_batch_size samples (unset: fixed micro_batch_size).",
+        "forward/backward instead of micro_batch_size samples (unset: fixed micro_batch_size); a "
+        "picture's patches count as tokens.",
     )
 
 

@@ -8,11 +8,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from roll.data.batch import Batch
+from roll.data.images import IMAGES
 
 
 def row_tokens(batch: Batch) -> list[int]:
-    """Real (unpadded) prompt + response tokens of each row."""
-    return (batch["prompt_mask"].sum(dim=1) + batch["response_mask"].sum(dim=1)).tolist()
+    """Real (unpadded) prompt + response tokens of each row, and the patches its pictures have: a
+    vision-language model's tower runs a transformer over every patch (Qwen2-VL: four per image token)
+    before the text model sees one image token, so a row of pictures costs more than its ids say."""
+    tokens = (batch["prompt_mask"].sum(dim=1) + batch["response_mask"].sum(dim=1)).tolist()
+    pictures = batch.non_tensors.get(IMAGES)
+    if pictures is None:
+        return tokens
+    patches = [0 if seen is None else seen.pixel_values.shape[0] for seen in pictures]
+    return [count + extra for count, extra in zip(tokens, patches)]
 
 
 def count_for_budget(token_counts: Sequence[int], max_tokens: int) -> int:

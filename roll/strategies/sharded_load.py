@@ -80,6 +80,7 @@ def load_sharded(
     # Outside the context: inside it every assignment makes a new meta parameter, so a tied head would
     # stay a weight of its own.
     model.tie_weights()
+    stored_as = _in_the_files(model, index, stored_as)
     names = [name for name, _ in model.named_parameters()]  # tied weights once
     shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
     fresh = {}
@@ -109,6 +110,28 @@ def load_sharded(
         for file, group in _by_file(model, index, stored_as, fresh).items():
             read += _read_shards(file, group)
     return model, LoadReport("sharded", read)
+
+
+def _in_the_files(
+    model: torch.nn.Module, index: dict[str, Path], stored_as: Callable[[str], str]
+) -> Callable[[str], str]:
+    """``stored_as`` followed by the renaming transformers applies when it loads the files: a
+    vision-language model's files keep the names of the models it grew from (Qwen2-VL's ``visual.*`` and
+    ``model.layers.*``), its modules are ``model.visual.*`` and ``model.language_model.layers.*``. A name
+    no renaming touches is its own."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    plain = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft wrapper's model
+    renamings = [t for t in get_model_conversion_mapping(plain) if isinstance(t, WeightRenaming)]
+    if not renamings:
+        return stored_as
+    meta_state = plain.state_dict()
+    loaded_as = {}
+    for name in index:
+        renamed, _ = rename_source_key(name, renamings, [], plain.base_model_prefix, meta_state)
+        loaded_as[renamed] = name
+    return lambda name: loaded_as.get(stored_as(name), stored_as(name))
 
 
 def _by_file(
