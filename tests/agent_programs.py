@@ -62,3 +62,35 @@ async def flaky(client, task: dict) -> float | None:
 async def answer_and_leave_the_scoring(client, task: dict) -> None:
     """Asks twice and returns no reward: ``env.options.reward`` scores its transcript."""
     await answer_twice(client, task)
+
+
+async def call_until_cut_off(client, task: dict) -> float:
+    """Calls on, as a looping agent does, until a reply comes back at the length limit (its budget was
+    spent): then it gives up with what it has."""
+    messages = [{"role": "user", "content": task["question"]}]
+    while True:
+        reply = await client.chat.completions.create(model="any", messages=messages)
+        choice = reply.choices[0]
+        if choice.finish_reason == "length":
+            assert choice.message.content == ""  # nothing was sampled
+            return 0.25
+        messages += [choice.message.model_dump(exclude_none=True), {"role": "user", "content": "1"}]
+
+
+def never_stops(client, task: dict) -> float:
+    """A plain function that ignores the length limit and calls on for ever."""
+    messages = [{"role": "user", "content": task["question"]}]
+    while True:
+        reply = client.chat.completions.create(model="any", messages=messages)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "1"}]
+
+
+MEETING: threading.Barrier | None = None  # set by the test: how many runs must be in flight at once
+
+
+def meet_then_answer(client, task: dict) -> float:
+    """A plain function that answers only once every run of its barrier is running at the same time
+    (a thread pool smaller than the runs in flight never gets them all there)."""
+    assert MEETING is not None
+    MEETING.wait()
+    return answer_once(client, task)

@@ -4,6 +4,7 @@ the real server on localhost."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -45,7 +46,7 @@ def served():
         script = backend.script
         backend.script = lambda request: (backend.requests.append(request), script(request))[1]
         sessions, engine = SessionStore(), SchedulerEngine()
-        limits = Limits(max_tokens=8, max_model_len=128, clamp_max_tokens=True)
+        limits = Limits(max_tokens=8, max_model_len=None, clamp_max_tokens=True)
         app = build_app(engine, TOKENIZER, None, [EOS], limits, sessions)
         server = ServerThread(app).start()
         runner = AgentRunner(entrypoint)
@@ -121,6 +122,24 @@ def test_agents_that_raise_hang_never_call_or_give_no_reward_are_dropped_and_cou
     assert scores == {0: 1.0, 5: 0.5, 6: 1.0, 7: 1.0, 8: 1.0, 9: 1.0}
 
 
+def test_64_plain_function_agents_run_at_once_and_none_waits_for_a_thread(served, tmp_path):
+    """Each plain function gets a thread of its own as its run starts: 64 runs that can only finish
+    together (a barrier of 64) all finish. On asyncio's default pool (min(32, cores + 4) threads) they
+    waited for a thread with their clocks running, and timed out."""
+    import threading
+
+    agent_programs.MEETING = threading.Barrier(64, timeout=60)  # broken, not hung, if they never meet
+    spec = AgentSpec(groups_per_step=16, group_size=4, timeout_s=30)
+    tasks = [{**TASK, "question": f"{k}*7=?"} for k in range(16)]
+    scheduler, _, _ = served(agent_programs.meet_then_answer, tasks, spec, tmp_path)
+    try:
+        batch, metrics = scheduler.next_batch(0)
+    finally:
+        agent_programs.MEETING.abort()
+    assert len(batch) == 64 and metrics["agent/failed_frac"] == 0
+    assert metrics["rollout/dropped_groups"] == 0 and metrics["agent/agent_timeout_frac"] == 0
+
+
 def test_a_spare_run_takes_the_place_of_a_failed_one_in_its_group(served, tmp_path):
     agent_programs.ATTEMPTS.clear()
     spec = AgentSpec(groups_per_step=1, group_size=2, timeout_s=60, redundancy=1)
@@ -169,18 +188,53 @@ def test_asynchronous_runs_play_ahead_and_stay_within_the_staleness_bound(served
     assert metrics["agent/failed_frac"] == 0
 
 
-def test_a_call_outside_a_session_and_a_call_past_the_turn_budget_are_refused(served, tmp_path):
+@pytest.mark.parametrize(
+    ("entrypoint", "reward"), [(agent_programs.call_until_cut_off, 0.25), (agent_programs.never_stops, 0.0)]
+)
+def test_a_run_past_its_turn_budget_is_trained_with_its_stop_reason(served, tmp_path, entrypoint, reward):
+    """The call past env.max_turns gets a reply at the length limit, not an error: the run ends with
+    stop reason max_turns and trains as env.stop_reasons says. An agent that calls on regardless (a plain
+    function here) is ended at its next call, and scores 0."""
+    spec = AgentSpec(groups_per_step=2, group_size=1, timeout_s=60, max_calls=2)
+    scheduler, backend, _ = served(entrypoint, [TASK, {**TASK, "question": "7*6=?"}], spec, tmp_path)
+    batch, metrics = scheduler.next_batch(0)
+    assert batch.non_tensors["stop_reason"] == ["max_turns", "max_turns"]
+    assert batch["scores"].tolist() == [reward, reward]
+    assert metrics["agent/stop/max_turns"] == 1 and metrics["agent/failed_frac"] == 0
+    assert metrics["rollout/dropped_groups"] == 0 and len(backend.requests) == 4  # two calls a run
+    for row in range(2):
+        n = int(batch["response_mask"][row].sum())
+        trained = batch["response_ids"][row, :n][batch["loss_mask"][row, :n].bool()].tolist()
+        assert trained == ANSWER * 2  # the sampled ids of both calls; the refused one added nothing
+
+    masked = dataclasses.replace(spec, stop_policy={"max_turns": "mask"})
+    scheduler, _, _ = served(entrypoint, [TASK], dataclasses.replace(masked, groups_per_step=1), tmp_path)
+    batch, _ = scheduler.next_batch(0)
+    assert batch["loss_mask"].sum() == 0 and batch["response_mask"].sum() > 0
+
+
+def test_a_call_past_the_context_budget_ends_the_run_with_context_limit(served, tmp_path):
+    """env.max_context_tokens bounds each call: a reply gets at most the room left, and the call with no
+    room gets the length-limit reply; the row the run trains stays within the budget."""
+    prompt = len(TOKENIZER.encode("<|user|>6*7=?<|assistant|>", add_special_tokens=False))
+    limit = prompt + len(ANSWER) + 2  # the second call's prompt has no room left
+    spec = AgentSpec(groups_per_step=1, group_size=1, timeout_s=60, max_context_tokens=limit)
+    scheduler, backend, _ = served(agent_programs.call_until_cut_off, [TASK], spec, tmp_path)
+    batch, metrics = scheduler.next_batch(0)
+    assert batch.non_tensors["stop_reason"] == ["context_limit"] and batch["scores"].tolist() == [0.25]
+    assert metrics["agent/stop/context_limit"] == 1 and len(backend.requests) == 1
+    assert backend.requests[0].params.max_new_tokens == limit - prompt
+    assert int(batch["prompt_mask"].sum() + batch["response_mask"].sum()) <= limit
+
+
+def test_a_call_outside_a_session_is_refused(served, tmp_path):
     import openai
 
-    spec = AgentSpec(groups_per_step=1, group_size=1, timeout_s=60, max_calls=1)
+    spec = AgentSpec(groups_per_step=1, group_size=1, timeout_s=60)
     scheduler, _, _ = served(agent_programs.answer_twice, [TASK], spec, tmp_path)
-    with pytest.raises(RuntimeError, match="turn budget is spent"):
-        scheduler.next_batch(0)  # every run raises (agent_error) until the step gives up
-    base = scheduler.base_url
     with pytest.raises(openai.BadRequestError, match="session base URL"):
-        openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0).chat.completions.create(
-            model="any", messages=[{"role": "user", "content": "1"}]
-        )
+        client = openai.OpenAI(base_url=f"{scheduler.base_url}/v1", api_key="x", max_retries=0)
+        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "1"}])
 
 
 def test_agent_options_are_checked_naming_the_key(tmp_path):
@@ -200,6 +254,22 @@ def test_agent_options_are_checked_naming_the_key(tmp_path):
     assert "env.options.reward:" in problems and "exact_match" in problems  # did you mean
     missing = "\n".join(check_agent_options({}, 0))
     assert "env.options.entrypoint: required" in missing and "env.options.tasks: required" in missing
+
+
+@pytest.mark.usefixtures("at_repo_root")
+def test_the_run_budgets_and_stop_reasons_reach_the_agent_scheduler():
+    from types import SimpleNamespace
+
+    from roll.config.loader import ConfigError, load_config
+    from roll.pipelines.agent_programs import AgentProgramPipeline
+
+    overrides = ["env.max_turns=3", "env.max_context_tokens=150", "env.stop_reasons={max_turns: mask}"]
+    cfg = load_config("examples/agent_calculator.yaml", overrides)
+    spec = AgentProgramPipeline.agent_spec.fget(SimpleNamespace(config=cfg))
+    assert (spec.max_calls, spec.max_context_tokens) == (3, 150)
+    assert spec.stop_policy["max_turns"] == "mask" and spec.stop_policy["context_limit"] == "train"
+    with pytest.raises(ConfigError, match="env.stop_reasons.turn_truncated: an agent run does not end"):
+        load_config("examples/agent_calculator.yaml", ["env.stop_reasons={turn_truncated: mask}"])
 
 
 QUICK = [

@@ -109,6 +109,12 @@ def check_agent_env(cfg: AgenticConfig) -> list[str]:
             "env.sample_layout: env.name agent trains one sample per run (trajectory); step_wise is not "
             "supported for it yet"
         )
+    if "turn_truncated" in cfg.env.stop_reasons:
+        problems.append(
+            "env.stop_reasons.turn_truncated: an agent run does not end at a truncated call (its agent gets "
+            "the reply at its length limit and goes on); env.name agent reads env_done (the agent ended "
+            "the run), max_turns and context_limit"
+        )
     return problems
 
 

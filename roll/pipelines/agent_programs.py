@@ -86,6 +86,8 @@ class AgentProgramPipeline(AgenticPipeline):
             group_size=cfg.rollout.num_return_sequences,
             timeout_s=float(cfg.env.options.get("timeout_s", OPTIONS["timeout_s"])),
             max_calls=cfg.env.max_turns,
+            max_context_tokens=cfg.env.max_context_tokens,
+            stop_policy=cfg.env.stop_policy(),
             redundancy=cfg.env.group_size_redundancy,
             async_generation_ratio=cfg.rollout.async_generation_ratio,
         )
@@ -145,7 +147,7 @@ class AgentProgramPipeline(AgenticPipeline):
         runs *= 1 + cfg.rollout.async_generation_ratio
         limits = Limits(
             max_tokens=cfg.rollout.max_new_tokens,
-            max_model_len=cfg.env.max_context_tokens,
+            max_model_len=None,  # each run's context is its scheduler's to bound (a budget, not an error)
             max_in_flight=max(256, 2 * (runs + cfg.eval.seeds)),
             clamp_max_tokens=True,
         )

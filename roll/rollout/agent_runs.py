@@ -11,8 +11,10 @@ is recorded as token ids. It returns its reward, or None when it posted one (``P
 transcript.
 
 ``AgentRunner`` plays the runs on one asyncio loop in a thread of the driver, each within a wall-time
-bound; a plain function runs on the loop's thread pool (a thread cannot be cancelled: past its bound its
-session is closed, so its next call fails and it ends). ``TaskList`` holds the tasks, the first
+bound; a plain function runs on a thread of its own, started with the run (asyncio's default pool has
+``min(32, cores + 4)`` threads: more runs would wait for one with their clocks running, and a hung agent
+would hold one for good). A thread cannot be cancelled: past its bound its session is closed, so its next
+call fails and it ends. ``TaskList`` holds the tasks, the first
 ``held_out`` of them for evaluation only.
 """
 
@@ -211,9 +213,7 @@ class AgentRunner:
                     returned = await asyncio.wait_for(self.entrypoint(client, task), timeout_s)
             else:
                 with openai.OpenAI(**options, timeout=timeout_s) as client:
-                    returned = await asyncio.wait_for(
-                        asyncio.to_thread(self.entrypoint, client, task), timeout_s
-                    )
+                    returned = await self._in_thread(client, task, timeout_s)
         except asyncio.TimeoutError:
             return AgentOutcome(failure="agent_timeout", error=f"the agent ran past {timeout_s:g} s")
         except asyncio.CancelledError:
@@ -238,6 +238,31 @@ class AgentRunner:
                 error=f"the agent returned {reward!r}: a reward must be a finite number",
             )
         return AgentOutcome(reward=float(reward))
+
+    async def _in_thread(self, client: Any, task: dict[str, Any], timeout_s: float) -> Any:
+        """The plain function on a thread started now, within ``timeout_s``."""
+        loop = self._loop
+        future = loop.create_future()
+
+        def settle(outcome: Callable[[], None]) -> None:
+            if not future.done():  # not timed out or cancelled meanwhile
+                outcome()
+
+        def call() -> None:
+            try:
+                returned = self.entrypoint(client, task)
+            except BaseException as error:  # noqa: BLE001 - handed to the run, as an async agent's would be
+                failure = error  # (``error`` is unbound after the except block)
+                report = lambda: settle(lambda: future.set_exception(failure))  # noqa: E731
+            else:
+                report = lambda: settle(lambda: future.set_result(returned))  # noqa: E731
+            try:
+                loop.call_soon_threadsafe(report)
+            except RuntimeError:  # the loop was closed (the run ended with the runner): nobody waits
+                pass
+
+        threading.Thread(target=call, name="agent-run", daemon=True).start()
+        return await asyncio.wait_for(future, timeout_s)
 
     def close(self) -> None:
         """Cancel what still runs and stop the loop."""

@@ -13,6 +13,13 @@ and more stops.
   first ``group_size`` runs in start order that did not fail, complete once they all ended; a batch
   takes the first groups in draw order. Asynchronous training and the staleness bound apply as they do
   there, by the weights versions of a run's sampled tokens.
+- **Budgets are outcomes.** A run has ``max_calls`` calls to the policy (``env.max_turns``) and
+  ``max_context_tokens`` for a call's prompt and reply (``env.max_context_tokens``). The call that would
+  pass either is answered at once as an API at its length limit answers: no text, ``finish_reason``
+  ``length``. The run ends with that stop reason (``max_turns``, ``context_limit``) once its agent returns,
+  or at once when it calls again; an agent that fails after its budget ran out scores 0 (it did not finish
+  its task). It is trained, masked or zeroed as ``stop_policy`` (``env.stop_reasons``) says, as an
+  episode is: the looping or verbose runs are what GRPO has to learn to avoid, not infrastructure failures.
 - **Failures.** A run whose agent raised, ran past ``timeout_s``, never called the policy, or ended with
   no reward failed: its place in the group goes to the next run, and a group that can no longer
   complete is dropped and the next task drawn in its place (``agent/*_frac``, ``rollout/dropped_groups``);
@@ -31,7 +38,7 @@ import collections
 import dataclasses
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,20 +65,25 @@ __all__ = [
 ]
 
 FAILURES = ("agent_error", "agent_timeout", "no_calls", "no_reward")
+BUDGETS = ("max_turns", "context_limit")  # the stop reasons of a run that ran out of a budget
+DONE = "agent_done"  # the stop reason of a run whose agent ended it
 
 
 @dataclass(frozen=True)
 class AgentSpec:
     """``groups_per_step`` tasks per batch, ``group_size`` runs each (+ ``redundancy``), each within
-    ``timeout_s`` and ``max_calls`` calls to the policy (a call past them is refused: 400);
+    ``timeout_s``, ``max_calls`` calls to the policy and ``max_context_tokens`` a call (None: unbounded
+    here); ``stop_policy``: stop reason -> train, mask or zero (``env.stop_reasons``);
     ``async_generation_ratio`` as for episodes."""
 
     groups_per_step: int
     group_size: int
     timeout_s: float
     max_calls: int = 1 << 30
+    max_context_tokens: int | None = None
     redundancy: int = 0
     async_generation_ratio: int = 0
+    stop_policy: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def max_dropped_groups(self) -> int:
@@ -81,13 +93,16 @@ class AgentSpec:
 
 @dataclass(eq=False)
 class AgentRun:
-    """One run of the agent: its session, and once it ended, its ``outcome``."""
+    """One run of the agent: its session, and once it ended, its ``outcome``; ``stop_reason``: the budget
+    it ran out of (``max_turns``, ``context_limit``), None while it has not."""
 
     run_id: str
     session: Session
     outcome: AgentOutcome | None = None
     future: Any = None  # the agent's, while it plays
     calls: int = 0  # calls to the policy it made
+    stop_reason: str | None = None
+    calls_past_budget: int = 0
 
     @property
     def done(self) -> bool:
@@ -203,21 +218,49 @@ class AgentScheduler(GroupScheduler):
         with self._lock:
             group = self._run_group.get(request.cache_key)
             run = group.runs.get(request.cache_key) if group is not None else None
-            if group is not None and not group.closed and run is not None and not run.done:
-                if run.calls >= self.spec.max_calls:
-                    raise ValueError(
-                        f"this run's turn budget is spent: {self.spec.max_calls} calls to the policy "
-                        "(env.max_turns)"
-                    )
+            live = group is not None and not group.closed and run is not None
+            limit = self.spec.max_context_tokens
+            room = None if limit is None else limit - len(request.prompt_ids)
+            past = "context_limit" if room is not None and room < 1 else None
+            if run is not None and run.calls >= self.spec.max_calls:
+                past = "max_turns"
+            if live and (past is not None or run.stop_reason is not None):
+                self._past_budget(group, run, request, past)
+            elif live and not run.done:
                 run.calls += 1
                 call = _Call(group)
                 self._calls[request.request_id] = call
-                params = _bounded(group.params, request.params)
+                params = _bounded(group.params, request.params, room)
                 self._outbox.append(dataclasses.replace(request, params=params))
                 self._changed.notify_all()
             else:  # a run that ended (or a closed group): its call is aborted at once
                 self._calls[request.request_id] = _Call(None)
                 self._resolve(request.request_id, GenerateResult(request.request_id, [], [], "abort"))
+
+    def _past_budget(
+        self, group: AgentGroup, run: AgentRun, request: GenerateRequest, past: str | None
+    ) -> None:
+        """A call the run's budget does not cover: answered at once with nothing sampled, at the length
+        limit. The first sets the run's stop reason; a call after that (the agent did not stop) ends it."""
+        if run.stop_reason is None:
+            run.stop_reason = past
+        elif not run.done:
+            run.calls_past_budget += 1
+        self._calls[request.request_id] = _Call(group)
+        self._resolve(request.request_id, GenerateResult(request.request_id, [], [], "length"))
+        if run.calls_past_budget and not run.done:
+            run.future.cancel()
+            run.outcome = self._ran_out(run)
+            # Its next call gets a 404 (no retries): a plain function's thread, which cannot be cancelled,
+            # ends there instead of calling on until its group closes.
+            self.sessions.close(run.run_id)
+            self._changed.notify_all()
+
+    def _ran_out(self, run: AgentRun, outcome: AgentOutcome | None = None) -> AgentOutcome:
+        """How a run that ran out of its budget ended: the reward its agent gave, else 0."""
+        if outcome is not None and outcome.failure is None:
+            return outcome
+        return AgentOutcome(reward=0.0, error=outcome.error if outcome is not None else None)
 
     def await_result(self, request_id: str, timeout_s: float | None = None) -> GenerateResult:
         with self._lock:
@@ -349,8 +392,14 @@ class AgentScheduler(GroupScheduler):
     def _on_done(self, run: AgentRun, outcome: AgentOutcome) -> None:
         with self._lock:
             if run.outcome is None:
-                if outcome.failure in (None, "no_reward") and run.sample() is None:
-                    outcome = AgentOutcome(failure="no_calls", error="the agent never called the policy")
+                if run.sample() is None:
+                    if outcome.failure in (None, "no_reward") or run.stop_reason is not None:
+                        error = "the agent never called the policy"
+                        if run.stop_reason is not None:
+                            error = "its first call's prompt is past env.max_context_tokens"
+                        outcome = AgentOutcome(failure="no_calls", error=error)
+                elif run.stop_reason is not None:
+                    outcome = self._ran_out(run, outcome)
                 run.outcome = outcome
             self._changed.notify_all()
 
@@ -424,7 +473,8 @@ class AgentScheduler(GroupScheduler):
         with self._lock:
             runs = [group.runs[rid] for group in groups for rid in group.ended]
             group_index = [i for i, group in enumerate(groups) for _ in group.ended]
-            batch = run_batch(runs, group_index, [group.seed for group in groups], self.pad_id)
+            seeds = [group.seed for group in groups]
+            batch = run_batch(runs, group_index, seeds, self.pad_id, self.spec.stop_policy)
             metrics = run_metrics(runs, "agent")
             metrics.update(self._scheduler_metrics(runs))
             self._counts.clear()
@@ -462,7 +512,9 @@ def run_metrics(runs: list[AgentRun], prefix: str) -> dict[str, float]:
     samples = [run.sample() for run in runs]
     trained = sum(stat["trained_tokens"] for stat in stats)
     masked = sum(stat["masked_tokens"] for stat in stats)
+    stops = {f"{prefix}/stop/{why}": sum(run.stop_reason == why for run in runs) / n for why in BUDGETS}
     return {
+        **stops,
         f"{prefix}/return": sum(rewards) / n,
         f"{prefix}/success": sum(reward > 0 for reward in rewards) / n,
         f"{prefix}/failed_frac": sum(run.failed for run in runs) / n,
@@ -478,18 +530,27 @@ def run_metrics(runs: list[AgentRun], prefix: str) -> dict[str, float]:
     }
 
 
-def run_batch(runs: list[AgentRun], group_index: list[int], seeds: list[int], pad_id: int) -> Batch:
+def run_batch(
+    runs: list[AgentRun],
+    group_index: list[int],
+    seeds: list[int],
+    pad_id: int,
+    stop_policy: Mapping[str, str] | None = None,
+) -> Batch:
     """One row per run (see the module docstring): prompt left-padded, response right-padded, the loss on
-    the sampled tokens, the score the run's reward."""
-    prompts, responses, trained, logprobs = [], [], [], []
+    the sampled tokens, the score the run's reward; a run that ran out of a budget as ``stop_policy``
+    says (``mask``: no token trained, ``zero``: scored 0)."""
+    prompts, responses, trained, logprobs, scores = [], [], [], [], []
     for run in runs:
         branch = run.sample()
         assert branch is not None  # a run with no sampled token failed (no_calls)
+        rule = (stop_policy or {}).get(run.stop_reason or "env_done", "train")  # its agent ended it
         first = branch.trained.index(True)
         prompts.append(branch.token_ids[:first])
         responses.append(branch.token_ids[first:])
-        trained.append(branch.trained[first:])
+        trained.append([flag and rule != "mask" for flag in branch.trained[first:]])
         logprobs.append(branch.logprobs[first:])
+        scores.append(0.0 if rule == "zero" else run.outcome.reward)
     prompt_ids, prompt_mask = left_pad(prompts, pad_id)
     response_ids, response_mask = right_pad(responses, pad_id)
     loss_mask = torch.zeros_like(response_mask)
@@ -506,11 +567,11 @@ def run_batch(runs: list[AgentRun], group_index: list[int], seeds: list[int], pa
             "loss_mask": loss_mask,
             "rollout_logprobs": rollout_logprobs,
             "group_index": torch.tensor(group_index),
-            "scores": torch.tensor([run.outcome.reward for run in runs], dtype=torch.float32),
+            "scores": torch.tensor(scores, dtype=torch.float32),
         },
         non_tensors={
             "seed": [seeds[i] for i in group_index],
-            "stop_reason": ["agent_done"] * len(runs),
+            "stop_reason": [run.stop_reason or DONE for run in runs],
             "token_rewards": [None] * len(runs),
             "episode_id": [run.run_id for run in runs],
         },
@@ -536,11 +597,12 @@ def demonstrations(scheduler: AgentScheduler, count: int) -> PromptSet:
     return PromptSet(rows[:count], [""] * count, prompts[:count])
 
 
-def _bounded(run_params: SamplingParams, asked: SamplingParams) -> SamplingParams:
+def _bounded(run_params: SamplingParams, asked: SamplingParams, room: int | None) -> SamplingParams:
     """The run's sampling for a call that asked for ``asked``: its temperature, top_p and greedy flag,
-    at most its tokens per call, and the call's stops beside its own."""
+    at most its tokens per call and the ``room`` its context has left, and the call's stops beside its
+    own."""
     stops = tuple(dict.fromkeys((*run_params.stop_token_ids, *asked.stop_token_ids)))
-    tokens = min(run_params.max_new_tokens, asked.max_new_tokens)
+    tokens = min(run_params.max_new_tokens, asked.max_new_tokens, room or asked.max_new_tokens)
     return dataclasses.replace(run_params, max_new_tokens=tokens, stop_token_ids=stops)
 
 

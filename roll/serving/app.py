@@ -34,15 +34,16 @@ __all__ = ["Limits", "build_app"]
 class Limits:
     """``max_request_bytes``: a request body's size; ``max_tokens``: tokens per response (and the default
     of a chat request that sets none); ``max_n``: samples per request; ``max_in_flight``: requests being
-    answered at once (more get 429, which OpenAI clients retry); ``max_model_len``: prompt + response;
-    ``clamp_max_tokens``: a request asking for more tokens than these bounds leave gets what they leave
+    answered at once (more get 429, which OpenAI clients retry); ``max_model_len``: prompt + response
+    (None: the engine bounds it, as a training run's scheduler does per run); ``clamp_max_tokens``: a
+    request asking for more tokens than these bounds leave gets what they leave
     instead of a 400 (a training run, where the run's budgets decide, not what an agent program asks)."""
 
     max_request_bytes: int = 1 << 20
     max_tokens: int = 4096
     max_n: int = 16
     max_in_flight: int = 256
-    max_model_len: int = 2048
+    max_model_len: int | None = 2048
     clamp_max_tokens: bool = False
 
 
@@ -170,7 +171,7 @@ def build_app(
         return session
 
     def sampling(payload: _Sampling, prompt_length: int, max_tokens: int | None) -> SamplingParams:
-        room = limits.max_model_len - prompt_length
+        room = limits.max_tokens if limits.max_model_len is None else limits.max_model_len - prompt_length
         if room < 1:
             raise ApiError(
                 400,
@@ -263,7 +264,7 @@ def build_app(
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
-            if session is not None:
+            if session is not None and result.token_ids:  # nothing sampled (a spent budget): nothing to train
                 session.record(prompt_ids, result, [*messages, comparable(message)])
             reason = "tool_calls" if calls else result.finish_reason
             choices.append({"index": index, "message": message, "finish_reason": reason, "logprobs": None})
@@ -291,7 +292,7 @@ def build_app(
         results = await sample(prompt_ids, params, payload.n, session)
         choices = []
         for index, result in enumerate(results):
-            if session is not None:
+            if session is not None and result.token_ids:
                 session.record(prompt_ids, result)
             text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
             choices.append(
