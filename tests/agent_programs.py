@@ -94,3 +94,11 @@ def meet_then_answer(client, task: dict) -> float:
     assert MEETING is not None
     MEETING.wait()
     return answer_once(client, task)
+
+
+async def hang_where_told(client, task: dict) -> float:
+    """Hangs for ever on a task marked ``hangs`` (past any test's patience, short of its timeout);
+    answers the others."""
+    if task.get("hangs"):
+        await asyncio.Event().wait()
+    return await answer_twice(client, task)

@@ -140,6 +140,33 @@ def test_64_plain_function_agents_run_at_once_and_none_waits_for_a_thread(served
     assert metrics["rollout/dropped_groups"] == 0 and metrics["agent/agent_timeout_frac"] == 0
 
 
+def test_a_hung_run_holds_up_only_itself_in_the_warm_start_and_progress_is_printed(
+    served, tmp_path, monkeypatch, caplog
+):
+    """Demonstrations with one task in ten hanging: spare groups play on, the batches take the groups
+    that are done, and the warm start ends without waiting out a single timeout (the hung runs are
+    still playing when it ends). Meanwhile a progress line says how many ended and are playing."""
+    import itertools
+    import logging
+
+    import roll.rollout.agent_scheduler as agent_scheduler
+
+    readings = itertools.count(step=1.0)  # every reading of the progress clock is a second later
+    monkeypatch.setattr(agent_scheduler, "clock", lambda: next(readings))
+    tasks = [{**TASK, "question": f"{k}*7=?", "hangs": k % 10 == 3} for k in range(20)]
+    spec = AgentSpec(groups_per_step=10, group_size=1, timeout_s=300, spare_groups=10)
+    scheduler, _, _ = served(agent_programs.hang_where_told, tasks, spec, tmp_path)
+    scheduler.progress_every_s = 5.0
+    with caplog.at_level(logging.INFO, logger=agent_scheduler.__name__):
+        played = demonstrations(scheduler, 40)
+    assert len(played.rows) == 40 and all(row["loss_mask"] for row in played.rows)
+    hanging = [group for group in scheduler._live if scheduler.tasks.task(group.seed)["hangs"]]
+    assert hanging and not any(run.done for group in hanging for run in group.runs.values())
+    assert scheduler._ended["agent_timeout"] == 0
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("agent runs:")]
+    assert lines and "playing" in lines[-1] and "ended" in lines[-1]
+
+
 def test_a_spare_run_takes_the_place_of_a_failed_one_in_its_group(served, tmp_path):
     agent_programs.ATTEMPTS.clear()
     spec = AgentSpec(groups_per_step=1, group_size=2, timeout_s=60, redundancy=1)

@@ -188,7 +188,8 @@ class RayConfig:
     progress_every_s: float = option(
         60.0,
         ge=0,
-        help="While a remote call runs longer than this, print which ranks it waits on (0: never).",
+        help="While a remote call runs longer than this, print which ranks it waits on; while agent "
+        "programs play (env.name: agent), their runs ended, failed by reason, and playing (0: never).",
     )
 
 

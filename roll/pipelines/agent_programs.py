@@ -66,9 +66,11 @@ class AgentProgramPipeline(AgenticPipeline):
         set_activity(f"playing {warm.episodes} runs of the agent against the {warm.expert} expert")
         expert = make_agent(warm.expert, warm.expert_options, seed=cfg.seed)
         backend = ExpertBackend(expert, self.tokenizer, self.end_of_turn_ids[0])
-        spec = dataclasses.replace(
-            self.agent_spec, groups_per_step=min(64, warm.episodes), group_size=1, async_generation_ratio=0
+        groups = min(64, warm.episodes)
+        spec = dataclasses.replace(  # as many spare runs: one that hangs holds up nothing but itself
+            self.agent_spec, groups_per_step=groups, group_size=1, async_generation_ratio=0
         )
+        spec = dataclasses.replace(spec, spare_groups=groups)
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens)  # the expert does not sample
         scheduler = self._scheduler(backend, spec, params, SeedOrder(self.tasks, cfg.eval.seeds), "warm-")
         try:
@@ -114,6 +116,7 @@ class AgentProgramPipeline(AgenticPipeline):
             self.tokenizer.pad_token_id,
             prefix,
             transcript_reward=self._transcript_reward(),
+            progress_every_s=self.config.ray.progress_every_s,
         )
         self.engine.scheduler = scheduler
         return scheduler

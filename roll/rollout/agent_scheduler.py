@@ -29,28 +29,30 @@ and more stops.
   with the most sampled tokens. Its leading tokens up to the first sampled one are the prompt; the rest
   is the response, the sampled tokens trained and every other (tool results, the next user turn, a
   fork's unproven tokens) masked. A run's other branches (a sub-agent's context, an edited history) are
-  counted (``agent/untrained_branches``) and not trained yet.
+  counted (``agent/untrained_branches``) and not trained yet (``roll.rollout.agent_rows``).
+- **Spare groups** (``spare_groups``, the warm start's): more groups play than a batch takes, and a batch
+  takes the first ready ones in draw order, so a hung run holds up only its group.
+
+The endpoint-facing calls are ``roll.rollout.agent_calls``.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import threading
+import logging
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from roll.data.batch import Batch
-from roll.data.padding import left_pad, right_pad
-from roll.data.prompts import PromptSet
+from roll.rollout.agent_calls import EndpointCalls, SchedulerEngine, _Call
+from roll.rollout.agent_rows import BUDGETS, DONE, FAILURES, AgentRun, demonstrations, run_batch, run_metrics
 from roll.rollout.agent_runs import AgentOutcome, AgentRunner, TaskList
 from roll.rollout.backend import RolloutBackend
 from roll.rollout.group_scheduler import GroupScheduler, Source
-from roll.rollout.sessions import Branch, Session, SessionStore
+from roll.rollout.sessions import Session, SessionStore
 from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 
 __all__ = [
@@ -64,9 +66,8 @@ __all__ = [
     "run_metrics",
 ]
 
-FAILURES = ("agent_error", "agent_timeout", "no_calls", "no_reward")
-BUDGETS = ("max_turns", "context_limit")  # the stop reasons of a run that ran out of a budget
-DONE = "agent_done"  # the stop reason of a run whose agent ended it
+logger = logging.getLogger(__name__)
+clock: Callable[[], float] = time.monotonic  # of the progress lines (a test steps it)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,9 @@ class AgentSpec:
     """``groups_per_step`` tasks per batch, ``group_size`` runs each (+ ``redundancy``), each within
     ``timeout_s``, ``max_calls`` calls to the policy and ``max_context_tokens`` a call (None: unbounded
     here); ``stop_policy``: stop reason -> train, mask or zero (``env.stop_reasons``);
-    ``async_generation_ratio`` as for episodes."""
+    ``async_generation_ratio`` as for episodes. ``spare_groups``: groups played beyond the batch's, the
+    batch then taking the first ready groups in draw order, so that a slow or hung run holds up only its
+    own group (the warm start's: it imitates, so favouring quick runs biases nothing)."""
 
     groups_per_step: int
     group_size: int
@@ -84,41 +87,12 @@ class AgentSpec:
     redundancy: int = 0
     async_generation_ratio: int = 0
     stop_policy: Mapping[str, str] = field(default_factory=dict)
+    spare_groups: int = 0
 
     @property
     def max_dropped_groups(self) -> int:
         """Groups dropped in one step before the step fails (as ``EpisodeSpec``'s)."""
         return 4 * self.groups_per_step + 8
-
-
-@dataclass(eq=False)
-class AgentRun:
-    """One run of the agent: its session, and once it ended, its ``outcome``; ``stop_reason``: the budget
-    it ran out of (``max_turns``, ``context_limit``), None while it has not."""
-
-    run_id: str
-    session: Session
-    outcome: AgentOutcome | None = None
-    future: Any = None  # the agent's, while it plays
-    calls: int = 0  # calls to the policy it made
-    stop_reason: str | None = None
-    calls_past_budget: int = 0
-
-    @property
-    def done(self) -> bool:
-        return self.outcome is not None
-
-    @property
-    def failed(self) -> bool:
-        return self.outcome is not None and self.outcome.failure is not None
-
-    def sample(self) -> Branch | None:
-        """The branch trained on: the one with the most sampled tokens (the latest of equals)."""
-        best = None
-        for branch in self.session.branches:
-            if any(branch.trained) and (best is None or sum(branch.trained) >= sum(best.trained)):
-                best = branch
-        return best
 
 
 @dataclass(eq=False)
@@ -150,16 +124,7 @@ class AgentGroup:
         return min(versions, default=self.start_version)
 
 
-@dataclass(eq=False)
-class _Call:
-    """A call of a run waiting for its result (``await_result``)."""
-
-    group: AgentGroup | None  # None: refused at once (its run had ended)
-    result: GenerateResult | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-class AgentScheduler(GroupScheduler):
+class AgentScheduler(EndpointCalls, GroupScheduler):
     """Plays groups of agent runs through ``backend`` and hands the pipeline their batches; also the
     engine behind the endpoint at ``base_url`` whose sessions live in ``sessions``.
 
@@ -193,11 +158,13 @@ class AgentScheduler(GroupScheduler):
         id_prefix: str = "",
         poll_s: float = 0.05,
         transcript_reward: Callable[[list[int], list[int], dict[str, Any]], float] | None = None,
+        progress_every_s: float = 0.0,
     ):
         super().__init__()
         self.backend, self.runner, self.sessions, self.base_url = backend, runner, sessions, base_url
         self.spec, self.params, self.tasks, self.source, self.pad_id = spec, params, tasks, seeds, pad_id
         self.groups_per_batch = spec.groups_per_step
+        self.extra_groups, self.in_draw_order = spec.spare_groups, not spec.spare_groups
         self.id_prefix, self.poll_s, self.transcript_reward = id_prefix, poll_s, transcript_reward
         self._live: list[AgentGroup] = []  # groups playing (training and evaluation), in draw order
         self._to_start: list[AgentGroup] = []  # evaluation groups waiting for the next pump
@@ -206,96 +173,9 @@ class AgentScheduler(GroupScheduler):
         self._outbox: list[GenerateRequest] = []  # calls not yet sent to a worker
         self._sent: set[str] = set()  # request ids sent, not yet back
         self._aborts: list[tuple[int, str]] = []  # (worker, request id) to abort
-
-    # ----- the engine the endpoint calls (from its threads) -----------------------------------------------
-
-    def submit(self, request: GenerateRequest) -> None:
-        """A run's call: queued for its group's worker with the run's sampling."""
-        if request.cache_key is None:
-            raise ValueError(
-                "this endpoint trains agents: call it through the session base URL the run was given"
-            )
-        with self._lock:
-            group = self._run_group.get(request.cache_key)
-            run = group.runs.get(request.cache_key) if group is not None else None
-            live = group is not None and not group.closed and run is not None
-            limit = self.spec.max_context_tokens
-            room = None if limit is None else limit - len(request.prompt_ids)
-            past = "context_limit" if room is not None and room < 1 else None
-            if run is not None and run.calls >= self.spec.max_calls:
-                past = "max_turns"
-            if live and (past is not None or run.stop_reason is not None):
-                self._past_budget(group, run, request, past)
-            elif live and not run.done:
-                run.calls += 1
-                call = _Call(group)
-                self._calls[request.request_id] = call
-                params = _bounded(group.params, request.params, room)
-                self._outbox.append(dataclasses.replace(request, params=params))
-                self._changed.notify_all()
-            else:  # a run that ended (or a closed group): its call is aborted at once
-                self._calls[request.request_id] = _Call(None)
-                self._resolve(request.request_id, GenerateResult(request.request_id, [], [], "abort"))
-
-    def _past_budget(
-        self, group: AgentGroup, run: AgentRun, request: GenerateRequest, past: str | None
-    ) -> None:
-        """A call the run's budget does not cover: answered at once with nothing sampled, at the length
-        limit. The first sets the run's stop reason; a call after that (the agent did not stop) ends it."""
-        if run.stop_reason is None:
-            run.stop_reason = past
-        elif not run.done:
-            run.calls_past_budget += 1
-        self._calls[request.request_id] = _Call(group)
-        self._resolve(request.request_id, GenerateResult(request.request_id, [], [], "length"))
-        if run.calls_past_budget and not run.done:
-            run.future.cancel()
-            run.outcome = self._ran_out(run)
-            # Its next call gets a 404 (no retries): a plain function's thread, which cannot be cancelled,
-            # ends there instead of calling on until its group closes.
-            self.sessions.close(run.run_id)
-            self._changed.notify_all()
-
-    def _ran_out(self, run: AgentRun, outcome: AgentOutcome | None = None) -> AgentOutcome:
-        """How a run that ran out of its budget ended: the reward its agent gave, else 0."""
-        if outcome is not None and outcome.failure is None:
-            return outcome
-        return AgentOutcome(reward=0.0, error=outcome.error if outcome is not None else None)
-
-    def await_result(self, request_id: str, timeout_s: float | None = None) -> GenerateResult:
-        with self._lock:
-            call = self._calls.get(request_id)
-        if call is None:
-            raise KeyError(f"request {request_id!r} is unknown")
-        if not call.done.wait(timeout_s):
-            raise TimeoutError(f"request {request_id} got no result within {timeout_s} s")
-        with self._lock:
-            self._calls.pop(request_id, None)
-        assert call.result is not None
-        return call.result
-
-    def abort(self, request_id: str) -> bool:
-        with self._lock:
-            call = self._calls.get(request_id)
-            if call is None or call.done.is_set():
-                return False
-            queued = [r for r in self._outbox if r.request_id == request_id]
-            if queued:
-                self._outbox.remove(queued[0])
-                self._resolve(request_id, GenerateResult(request_id, [], [], "abort"))
-            elif request_id in self._sent and call.group is not None:
-                self._aborts.append((call.group.worker, request_id))
-            return True
-
-    def release_prefixes(self, cache_keys: list[str]) -> int:
-        """Nothing to do: a run's KV is released when its group ends."""
-        return 0
-
-    def _resolve(self, request_id: str, result: GenerateResult) -> None:
-        call = self._calls.get(request_id)
-        if call is not None:
-            call.result = result
-            call.done.set()
+        self.progress_every_s = progress_every_s
+        self._ended: collections.Counter[str] = collections.Counter()  # runs ended, by how (progress lines)
+        self._next_progress = clock() + progress_every_s
 
     # ----- the pipeline's calls ------------------------------------------------------------------------
 
@@ -342,6 +222,24 @@ class AgentScheduler(GroupScheduler):
         with self._lock:
             self._settle()
             self._changed.notify_all()
+            self._report_progress()
+
+    def _report_progress(self) -> None:
+        """Every ``progress_every_s`` (0: never), one line: runs ended (failed, by reason; out of a
+        budget), and playing, so that a phase waiting on slow or hung runs is not silent."""
+        now = clock()
+        if self.progress_every_s <= 0 or now < self._next_progress:
+            return
+        self._next_progress = now + self.progress_every_s
+        playing = sum(not run.done for group in self._live for run in group.runs.values())
+        ended = self._ended
+        how = [f"{ended[reason]} {reason}" for reason in (*FAILURES, *BUDGETS, "aborted") if ended[reason]]
+        logger.info(
+            "agent runs: %d ended (%s), %d playing",
+            ended["runs"],
+            ", ".join(how) if how else "none failed",
+            playing,
+        )
 
     def _open(self, seeds: list[int]) -> list[AgentGroup]:
         size = self.spec.group_size + self.spec.redundancy
@@ -452,6 +350,8 @@ class AgentScheduler(GroupScheduler):
                 self._counts[run.outcome.failure] += 1  # type: ignore[union-attr]
             if group.training:
                 self._counts["runs"] += 1
+            self._ended["runs"] += 1
+            self._ended[run.outcome.failure or run.stop_reason or DONE] += 1  # type: ignore[union-attr]
             self.sessions.close(run.run_id)
             self._run_group.pop(run.run_id, None)
         for request_id, call in list(self._calls.items()):
@@ -501,130 +401,3 @@ class AgentScheduler(GroupScheduler):
             }
         )
         return metrics
-
-
-def run_metrics(runs: list[AgentRun], prefix: str) -> dict[str, float]:
-    """Return, success (reward > 0), calls, branches, forks, trained and masked tokens of ``runs`` (failed
-    runs count in ``failed_frac`` and as no success)."""
-    n = max(len(runs), 1)
-    rewards = [run.outcome.reward if run.outcome and run.outcome.reward is not None else 0.0 for run in runs]
-    stats = [run.session.stats() for run in runs]
-    samples = [run.sample() for run in runs]
-    trained = sum(stat["trained_tokens"] for stat in stats)
-    masked = sum(stat["masked_tokens"] for stat in stats)
-    stops = {f"{prefix}/stop/{why}": sum(run.stop_reason == why for run in runs) / n for why in BUDGETS}
-    return {
-        **stops,
-        f"{prefix}/return": sum(rewards) / n,
-        f"{prefix}/success": sum(reward > 0 for reward in rewards) / n,
-        f"{prefix}/failed_frac": sum(run.failed for run in runs) / n,
-        f"{prefix}/calls": sum(stat["calls"] for stat in stats) / n,
-        f"{prefix}/branches": sum(stat["branches"] for stat in stats) / n,
-        f"{prefix}/forks": sum(stat["forks"] for stat in stats) / n,
-        f"{prefix}/masked_token_frac": masked / max(trained + masked, 1),
-        f"{prefix}/untrained_branches": sum(
-            sum(1 for b in run.session.branches if b is not sample and any(b.trained))
-            for run, sample in zip(runs, samples)
-        )
-        / n,
-    }
-
-
-def run_batch(
-    runs: list[AgentRun],
-    group_index: list[int],
-    seeds: list[int],
-    pad_id: int,
-    stop_policy: Mapping[str, str] | None = None,
-) -> Batch:
-    """One row per run (see the module docstring): prompt left-padded, response right-padded, the loss on
-    the sampled tokens, the score the run's reward; a run that ran out of a budget as ``stop_policy``
-    says (``mask``: no token trained, ``zero``: scored 0)."""
-    prompts, responses, trained, logprobs, scores = [], [], [], [], []
-    for run in runs:
-        branch = run.sample()
-        assert branch is not None  # a run with no sampled token failed (no_calls)
-        rule = (stop_policy or {}).get(run.stop_reason or "env_done", "train")  # its agent ended it
-        first = branch.trained.index(True)
-        prompts.append(branch.token_ids[:first])
-        responses.append(branch.token_ids[first:])
-        trained.append([flag and rule != "mask" for flag in branch.trained[first:]])
-        logprobs.append(branch.logprobs[first:])
-        scores.append(0.0 if rule == "zero" else run.outcome.reward)
-    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
-    response_ids, response_mask = right_pad(responses, pad_id)
-    loss_mask = torch.zeros_like(response_mask)
-    rollout_logprobs = torch.zeros(response_ids.shape)
-    for row, (flags, values) in enumerate(zip(trained, logprobs)):
-        loss_mask[row, : len(flags)] = torch.tensor(flags, dtype=loss_mask.dtype)
-        rollout_logprobs[row, : len(values)] = torch.tensor(values)
-    return Batch(
-        tensors={
-            "prompt_ids": prompt_ids,
-            "prompt_mask": prompt_mask,
-            "response_ids": response_ids,
-            "response_mask": response_mask,
-            "loss_mask": loss_mask,
-            "rollout_logprobs": rollout_logprobs,
-            "group_index": torch.tensor(group_index),
-            "scores": torch.tensor(scores, dtype=torch.float32),
-        },
-        non_tensors={
-            "seed": [seeds[i] for i in group_index],
-            "stop_reason": [run.stop_reason or DONE for run in runs],
-            "token_rewards": [None] * len(runs),
-            "episode_id": [run.run_id for run in runs],
-        },
-    )
-
-
-def demonstrations(scheduler: AgentScheduler, count: int) -> PromptSet:
-    """``count`` runs played by ``scheduler`` (over an ``ExpertBackend``: the warm start's), as SFT rows in
-    the layout RL trains on: each run's prompt ids, and its response ids with the loss on what was sampled."""
-    prompts: list[list[int]] = []
-    rows: list[dict[str, Any]] = []
-    while len(rows) < count:
-        batch, _ = scheduler.next_batch(0)
-        for row in range(len(batch)):
-            n = int(batch["response_mask"][row].sum())
-            prompts.append(batch["prompt_ids"][row][batch["prompt_mask"][row].bool()].tolist())
-            rows.append(
-                {
-                    "response_ids": batch["response_ids"][row, :n].tolist(),
-                    "loss_mask": batch["loss_mask"][row, :n].tolist(),
-                }
-            )
-    return PromptSet(rows[:count], [""] * count, prompts[:count])
-
-
-def _bounded(run_params: SamplingParams, asked: SamplingParams, room: int | None) -> SamplingParams:
-    """The run's sampling for a call that asked for ``asked``: its temperature, top_p and greedy flag,
-    at most its tokens per call and the ``room`` its context has left, and the call's stops beside its
-    own."""
-    stops = tuple(dict.fromkeys((*run_params.stop_token_ids, *asked.stop_token_ids)))
-    tokens = min(run_params.max_new_tokens, asked.max_new_tokens, room or asked.max_new_tokens)
-    return dataclasses.replace(run_params, max_new_tokens=tokens, stop_token_ids=stops)
-
-
-class SchedulerEngine:
-    """The endpoint's engine in a training run: the run's scheduler of the moment (a recovery makes a new
-    one, while the endpoint stays)."""
-
-    scheduler: AgentScheduler | None = None
-
-    def _current(self) -> AgentScheduler:
-        if self.scheduler is None:
-            raise RuntimeError("no agent scheduler is running (the run is starting or recovering)")
-        return self.scheduler
-
-    def submit(self, request: Any) -> None:
-        self._current().submit(request)
-
-    def await_result(self, request_id: str, timeout_s: float | None = None) -> Any:
-        return self._current().await_result(request_id, timeout_s)
-
-    def abort(self, request_id: str) -> bool:
-        return self._current().abort(request_id)
-
-    def release_prefixes(self, cache_keys: Any) -> int:
-        return 0

@@ -65,12 +65,15 @@ class GroupScheduler(abc.ABC):
     one round (``_pump``), and the batch made of ready groups (``_batch``).
 
     ``source``: the training groups' items; ``extra_groups``: groups that may play beyond those a batch
-    still needs (dynamic sampling's surplus)."""
+    still needs (dynamic sampling's surplus, spare groups); ``in_draw_order``: a batch is the first groups
+    in draw order (False: the first ready ones in draw order, past any still playing: for spare groups
+    where no order is favoured, an imitation warm start's)."""
 
     spec: Any
     source: Source
     groups_per_batch: int
     extra_groups = 0
+    in_draw_order = True
     thread_name = "rollout-scheduler"
 
     def __init__(self) -> None:
@@ -189,7 +192,10 @@ class GroupScheduler(abc.ABC):
         drawn group is stale (the pumping thread drops those first)."""
         if any(self._is_stale(group) for group in self._drawn.values()):
             return None
-        leading = itertools.takewhile(lambda group: group.ready, self._drawn.values())
+        if self.in_draw_order:
+            leading = itertools.takewhile(lambda group: group.ready, self._drawn.values())
+        else:
+            leading = (group for group in self._drawn.values() if group.ready)
         return list(itertools.islice(leading, self.groups_per_batch))
 
     def _take_batch(self) -> list[Group] | None:
