@@ -167,6 +167,23 @@ def test_a_hung_run_holds_up_only_itself_in_the_warm_start_and_progress_is_print
     assert lines and "playing" in lines[-1] and "ended" in lines[-1]
 
 
+def test_asynchronous_steps_are_not_held_up_by_a_hung_run(served, tmp_path):
+    """With async_generation_ratio 1 a batch takes the groups that are done: three steps go by while
+    the runs of a hanging task are still playing (none waited out its timeout)."""
+    tasks = [{**TASK, "question": f"{k}*7=?", "hangs": k == 1} for k in range(10)]
+    spec = AgentSpec(groups_per_step=3, group_size=2, timeout_s=300, async_generation_ratio=1)
+    scheduler, backend, _ = served(agent_programs.hang_where_told, tasks, spec, tmp_path)
+    seeds = []
+    for step in range(3):
+        batch, metrics = scheduler.next_batch(step)
+        seeds += batch.non_tensors["seed"][::2]
+        assert metrics["agent/agent_timeout_frac"] == 0
+    assert len(seeds) == 9 and all(not scheduler.tasks.task(seed)["hangs"] for seed in seeds)
+    with scheduler._lock:
+        hanging = [group for group in scheduler._live if scheduler.tasks.task(group.seed)["hangs"]]
+        assert hanging and not any(run.done for group in hanging for run in group.runs.values())
+
+
 def test_a_spare_run_takes_the_place_of_a_failed_one_in_its_group(served, tmp_path):
     agent_programs.ATTEMPTS.clear()
     spec = AgentSpec(groups_per_step=1, group_size=2, timeout_s=60, redundancy=1)

@@ -254,6 +254,54 @@ def test_a_tool_call_round_trips_through_the_api_and_the_episode_continues(scrip
     assert second_prompt.endswith("<tool_response>42</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_a_streamed_reply_is_the_reply_and_a_changed_tool_list_forks(scripted, bpe) -> None:
+    """``stream: true`` gets server-sent chunks the openai client assembles into the same reply (tool calls
+    and usage included), recorded as any call is; a call whose tool list changed is rendered whole with
+    the new tools, so it forks instead of continuing the branch rendered with the old ones."""
+    engine, sessions, server = scripted
+    end = bpe.convert_tokens_to_ids(IM_END)
+    engine.replies = [[*bpe.encode(TOOL_REPLY), end], [*bpe.encode("the result is 42"), end]]
+    session = httpx.post(server.base_url + "/rl/sessions").json()["id"]
+    client = client_for(server, session)
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "6*7?"}]
+    chunks = list(
+        client.chat.completions.create(
+            model="agent", messages=messages, tools=tools, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    (call,) = [call for delta in deltas for call in delta.tool_calls or []]
+    assert call.function.name == "calc" and json.loads(call.function.arguments) == {"expression": "6*7"}
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "tool_calls"
+    assert chunks[-1].usage.completion_tokens == len(engine.results[0].token_ids)
+    assert sessions.get(session).branches[0].trained.count(True) == len(engine.results[0].token_ids)
+
+    reply = {"role": "assistant", "content": "", "tool_calls": [call.model_dump(exclude={"index"})]}
+    messages += [reply, {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+    other_tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+    client.chat.completions.create(model="agent", messages=messages, tools=other_tools)
+    recorded = sessions.get(session)
+    assert recorded.stats()["forks"] == 1 and len(recorded.branches) == 2
+    assert '"search"' in bpe.decode(list(engine.requests[1].prompt_ids))  # rendered with the new tools
+
+
+def test_what_the_server_cannot_honour_is_refused_naming_the_field(scripted, bpe) -> None:
+    engine, _, server = scripted
+    client = client_for(server)
+    hi = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="response_format: only type text"):
+        client.chat.completions.create(model="agent", messages=hi, response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="parallel_tool_calls: false is not supported"):
+        client.chat.completions.create(model="agent", messages=hi, parallel_tool_calls=False)
+    with pytest.raises(openai.BadRequestError, match="stream: streaming is served for chat completions only"):
+        client.completions.create(model="agent", prompt="hi", stream=True)
+    engine.replies = [[bpe.convert_tokens_to_ids(IM_END)]] * 2
+    client.chat.completions.create(model="agent", messages=hi, response_format={"type": "text"})
+    client.chat.completions.create(model="agent", messages=hi, parallel_tool_calls=True)
+    assert len(engine.requests) == 2
+
+
 def test_bad_requests_get_the_apis_errors_naming_what_to_change(scripted, bpe) -> None:
     engine, _, server = scripted
     engine.replies = [[bpe.convert_tokens_to_ids(IM_END)]]

@@ -30,8 +30,12 @@ and more stops.
   is the response, the sampled tokens trained and every other (tool results, the next user turn, a
   fork's unproven tokens) masked. A run's other branches (a sub-agent's context, an edited history) are
   counted (``agent/untrained_branches``) and not trained yet (``roll.rollout.agent_rows``).
-- **Spare groups** (``spare_groups``, the warm start's): more groups play than a batch takes, and a batch
-  takes the first ready ones in draw order, so a hung run holds up only its group.
+- **A hung run holds up only its group** where the groups a batch passes over are not lost: with spare
+  groups (``spare_groups``, the warm start's: more groups play than a batch takes) and asynchronously
+  (they play on into a later batch, within the staleness bound), a batch takes the first *ready* groups
+  in draw order. Synchronously a batch is the first groups in draw order, and a hung run holds its step
+  up to ``timeout_s``: the groups passed over would be stale after the update, and dropping them would
+  never train the slowest tasks.
 
 The endpoint-facing calls are ``roll.rollout.agent_calls``.
 """
@@ -164,7 +168,10 @@ class AgentScheduler(EndpointCalls, GroupScheduler):
         self.backend, self.runner, self.sessions, self.base_url = backend, runner, sessions, base_url
         self.spec, self.params, self.tasks, self.source, self.pad_id = spec, params, tasks, seeds, pad_id
         self.groups_per_batch = spec.groups_per_step
-        self.extra_groups, self.in_draw_order = spec.spare_groups, not spec.spare_groups
+        # Asynchronously the groups a batch passes over play on and go into a later batch (within the
+        # staleness bound), so a batch may take the ready ones: a hung run then holds up only its group.
+        self.extra_groups = spec.spare_groups
+        self.in_draw_order = not (spec.spare_groups or spec.async_generation_ratio)
         self.id_prefix, self.poll_s, self.transcript_reward = id_prefix, poll_s, transcript_reward
         self._live: list[AgentGroup] = []  # groups playing (training and evaluation), in draw order
         self._to_start: list[AgentGroup] = []  # evaluation groups waiting for the next pump

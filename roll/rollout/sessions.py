@@ -9,9 +9,10 @@ branch as that branch recorded them, and everything after is masked, whatever it
 is trained only where it sits exactly as the policy sampled it.
 
 Chat calls find their branch by conversation, not by text: a request whose messages start with a
-branch's conversation (its last message the assistant reply this server returned) continues that
-branch with the rest rendered as a chat-template delta (``roll.data.chat_turns``). The policy's own
-tokens are never decoded and encoded again.
+branch's conversation (its last message the assistant reply this server returned), with the same tools,
+continues that branch with the rest rendered as a chat-template delta (``roll.data.chat_turns``); a
+changed tool list is rendered whole (the template writes the tools at the start), so it forks. The
+policy's own tokens are never decoded and encoded again.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Branch:
     logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
     messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # the tool list its conversation was rendered with
     turn_closed: bool = True
     calls: int = 0
 
@@ -91,6 +93,7 @@ class Session:
         messages: list[dict[str, Any]],
         render: Callable[[list[dict[str, Any]]], list[int]],
         continue_after: Callable[[list[dict[str, Any]], bool], list[int] | None],
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The prompt ids of a chat call: a branch's tokens and the rendered rest of the conversation,
         when ``messages`` (``comparable`` form) continue a branch's conversation; else ``render(messages)``
@@ -101,6 +104,8 @@ class Session:
                 known = branch.messages
                 if known is None or len(messages) <= len(known) or messages[: len(known)] != known:
                     continue
+                if (branch.tools or None) != (tools or None):
+                    break  # rendered whole with the new tools: a fork
                 rest = continue_after(messages[len(known) :], branch.turn_closed)
                 if rest is not None:
                     return branch.token_ids + rest
@@ -108,10 +113,15 @@ class Session:
         return render(messages)
 
     def record(
-        self, prompt_ids: Sequence[int], result: GenerateResult, messages: list[dict[str, Any]] | None = None
+        self,
+        prompt_ids: Sequence[int],
+        result: GenerateResult,
+        messages: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         """Record a call: ``prompt_ids`` and what was sampled after them; ``messages``: the conversation
-        with the reply, when a chat call (what a later call must start with to continue it)."""
+        with the reply, when a chat call (what a later call must start with to continue it), and the
+        ``tools`` it was rendered with."""
         prompt = list(prompt_ids)
         with self._lock:
             self.calls += 1
@@ -128,7 +138,7 @@ class Session:
                 target = best.head(shared) if best is not None else Branch()
                 self.branches.append(target)
             target.extend(prompt[len(target.token_ids) :], result)
-            target.messages = messages
+            target.messages, target.tools = messages, tools
 
     def stats(self) -> dict[str, int]:
         """``calls``, ``branches``, ``forks``, and the tokens ``trained`` and ``masked`` over all branches."""

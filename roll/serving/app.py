@@ -62,7 +62,6 @@ UNSUPPORTED = {
     "logprobs": None,
     "top_logprobs": None,
     "seed": None,
-    "stream": False,
     "echo": False,
     "suffix": None,
     "best_of": None,
@@ -85,10 +84,17 @@ class ChatRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["auto", "none"] | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    # Honoured as the model samples: several calls in one reply are returned as several; false (at most
+    # one) and a structured format would need constrained decoding, which this server does not do.
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] = Field(min_length=1)
+    stream: bool = False
 
 
 def build_app(
@@ -242,8 +248,22 @@ def build_app(
             "total_tokens": len(prompt_ids) + completion,
         }
 
-    async def chat(request: Request, session_id: str | None = None) -> dict[str, Any]:
+    async def chat(request: Request, session_id: str | None = None) -> Any:
         payload: ChatRequest = await parsed(request, ChatRequest)
+        if payload.parallel_tool_calls is False:
+            raise ApiError(
+                400,
+                "parallel_tool_calls: false is not supported (the reply holds the calls the model wrote, "
+                "one or several); leave it unset",
+                "parallel_tool_calls",
+            )
+        if (payload.response_format or {}).get("type", "text") != "text":
+            raise ApiError(
+                400,
+                "response_format: only type text; this server does not constrain decoding to JSON (ask for "
+                "JSON in the messages and parse the reply)",
+                "response_format",
+            )
         session = session_of(session_id)
         messages = [comparable(message) for message in payload.messages]
         tools = payload.tools if payload.tool_choice != "none" else None
@@ -252,7 +272,7 @@ def build_app(
                 prompt_ids = renderer.render(messages, tools)
             else:
                 prompt_ids = session.chat_prompt(
-                    messages, lambda m: renderer.render(m, tools), renderer.continue_after
+                    messages, lambda m: renderer.render(m, tools), renderer.continue_after, tools
                 )
         except RenderError as error:
             raise ApiError(400, str(error), "messages") from None
@@ -265,10 +285,10 @@ def build_app(
             if calls:
                 message["tool_calls"] = calls
             if session is not None and result.token_ids:  # nothing sampled (a spent budget): nothing to train
-                session.record(prompt_ids, result, [*messages, comparable(message)])
+                session.record(prompt_ids, result, [*messages, comparable(message)], tools)
             reason = "tool_calls" if calls else result.finish_reason
             choices.append({"index": index, "message": message, "finish_reason": reason, "logprobs": None})
-        return {
+        completion = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
@@ -276,9 +296,41 @@ def build_app(
             "choices": choices,
             "usage": usage(prompt_ids, results),
         }
+        if payload.stream:
+            return streamed(completion, bool((payload.stream_options or {}).get("include_usage")))
+        return completion
+
+    def streamed(completion: dict[str, Any], include_usage: bool) -> Any:
+        """``completion`` as server-sent events of ``chat.completion.chunk``s: per choice its role and
+        content, its tool calls, then its finish reason; the usage in a last chunk when asked for. The
+        reply is generated whole first, so a stream carries it in a few chunks, not token by token."""
+        from fastapi.responses import StreamingResponse
+
+        head = {key: completion[key] for key in ("id", "created", "model")}
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            body = {**head, "object": "chat.completion.chunk", "choices": choices, **extra}
+            return f"data: {json.dumps(body)}\n\n"
+
+        events = []
+        for choice in completion["choices"]:
+            message, index = choice["message"], choice["index"]
+            delta: dict[str, Any] = {"role": "assistant", "content": message["content"]}
+            events.append(chunk([{"index": index, "delta": delta, "finish_reason": None}]))
+            if message.get("tool_calls"):
+                calls = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+                delta = {"tool_calls": calls}
+                events.append(chunk([{"index": index, "delta": delta, "finish_reason": None}]))
+            events.append(chunk([{"index": index, "delta": {}, "finish_reason": choice["finish_reason"]}]))
+        if include_usage:
+            events.append(chunk([], usage=completion["usage"]))
+        events.append("data: [DONE]\n\n")
+        return StreamingResponse(iter(events), media_type="text/event-stream")
 
     async def complete(request: Request, session_id: str | None = None) -> dict[str, Any]:
         payload: CompletionRequest = await parsed(request, CompletionRequest)
+        if payload.stream:
+            raise ApiError(400, "stream: streaming is served for chat completions only", "stream")
         session = session_of(session_id)
         if isinstance(payload.prompt, str):
             prompt_ids = list(tokenizer.encode(payload.prompt, add_special_tokens=False))
@@ -312,11 +364,11 @@ def build_app(
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")
-    async def chat_alone(request: Request) -> dict[str, Any]:
+    async def chat_alone(request: Request) -> Any:
         return await chat(request)
 
     @app.post("/sessions/{session_id}/v1/chat/completions")
-    async def chat_in_session(request: Request, session_id: str) -> dict[str, Any]:
+    async def chat_in_session(request: Request, session_id: str) -> Any:
         return await chat(request, session_id)
 
     @app.post("/v1/completions")
