@@ -254,6 +254,89 @@ def test_a_tool_call_round_trips_through_the_api_and_the_episode_continues(scrip
     assert second_prompt.endswith("<tool_response>42</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_a_stop_string_of_several_tokens_ends_generation_at_the_token_that_completes_it(tiny_server) -> None:
+    """The engine stops at the token whose text completes the stop string; the reply's text ends before
+    it, as the API's does; the ids returned for training are all the sampled ones."""
+    engine, _, server, tokenizer = tiny_server
+    client = client_for(server)
+    free = client.completions.create(model="tiny", prompt="7+", max_tokens=8, temperature=0)
+    text, ids = free.choices[0].text, engine.results[-1].token_ids
+    assert len(ids) == 8 and len(text) == 8  # one character a token
+    stop = text[3:5]
+    end = text.find(stop) + len(stop)  # its first occurrence, completed by the token at end - 1
+    stopped = client.completions.create(model="tiny", prompt="7+", max_tokens=8, temperature=0, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop" and engine.results[-1].token_ids == ids[:end]
+    assert stopped.choices[0].text == text[: text.find(stop)]
+
+
+def test_a_stopped_reply_is_cut_before_its_stop_and_the_next_turn_closes_it(scripted, bpe) -> None:
+    """Against a merge-prone tokenizer: the reply's text ends before the stop string, every sampled id is
+    recorded as trained, and the continuation closes the turn the stop left open (its end-of-turn token
+    is rendered, masked), so the next prompt is the template's rendering of the conversation."""
+    engine, sessions, server = scripted
+    end = bpe.convert_tokens_to_ids(IM_END)
+    sampled = bpe.encode("RR DD RRR")
+    second = [*bpe.encode("LL"), end]
+    engine.replies = [sampled, second]
+    session = httpx.post(server.base_url + "/rl/sessions").json()["id"]
+    client = client_for(server, session)
+    messages = [{"role": "user", "content": "RR"}]
+    first = client.chat.completions.create(model="agent", messages=messages, stop=["DD", "<|im_end|>"])
+    assert first.choices[0].message.content == "RR "
+    request = engine.requests[0]
+    assert request.params.stop == ("DD",) and request.params.stop_token_ids == (end,)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "LL"}]
+    client.chat.completions.create(model="agent", messages=messages)
+    (branch,) = sessions.get(session).branches
+    first_prompt = list(request.prompt_ids)
+    assert branch.token_ids[len(first_prompt) : len(first_prompt) + len(sampled)] == sampled
+    assert branch.trained.count(True) == len(sampled) + len(second)
+    after = engine.requests[1].prompt_ids[len(first_prompt) + len(sampled)]
+    assert after == end  # the turn closed after the sampled ids, not left open
+
+
+def test_tool_choice_required_or_named_starts_the_call_and_the_model_writes_the_rest(scripted, bpe) -> None:
+    """``tool_choice`` required, or a named function, puts the call's opening as the template writes it
+    after the generation prompt (prompt ids: masked), and the reply is parsed with it; what the model
+    sampled after it is all that trains."""
+    engine, sessions, server = scripted
+    end = bpe.convert_tokens_to_ids(IM_END)
+    tools = [
+        {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}},
+    ]
+    messages = [{"role": "user", "content": "6*7?"}]
+    named = [*bpe.encode('{"expression": "6*7"}}</tool_call>'), end]
+    required = [*bpe.encode('{"name": "search", "arguments": {"q": "RR"}}</tool_call>'), end]
+    engine.replies = [named, required]
+    session = httpx.post(server.base_url + "/rl/sessions").json()["id"]
+    client = client_for(server, session)
+    choice = {"type": "function", "function": {"name": "calc"}}
+    first = client.chat.completions.create(model="agent", messages=messages, tools=tools, tool_choice=choice)
+    (call,) = first.choices[0].message.tool_calls
+    assert call.function.name == "calc" and json.loads(call.function.arguments) == {"expression": "6*7"}
+    assert first.choices[0].finish_reason == "tool_calls"
+    opening = bpe.encode('<tool_call>{"name": "calc", "arguments": ', add_special_tokens=False)
+    assert list(engine.requests[0].prompt_ids[-len(opening) :]) == opening
+    (branch,) = sessions.get(session).branches
+    assert [t for t, trained in zip(branch.token_ids, branch.trained) if trained] == named
+
+    second = client_for(server).chat.completions.create(
+        model="agent", messages=messages, tools=tools, tool_choice="required"
+    )
+    assert second.choices[0].message.tool_calls[0].function.name == "search"
+    assert bpe.decode(list(engine.requests[1].prompt_ids)).endswith("<|im_start|>assistant\n<tool_call>")
+    with pytest.raises(openai.BadRequestError, match="tool_choice: 'nope' is not one of the tools"):
+        client.chat.completions.create(
+            model="agent",
+            messages=messages,
+            tools=tools,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
+    with pytest.raises(openai.BadRequestError, match="needs tools to call"):
+        client.chat.completions.create(model="agent", messages=messages, tool_choice="required")
+
+
 def test_a_streamed_reply_is_the_reply_and_a_changed_tool_list_forks(scripted, bpe) -> None:
     """``stream: true`` gets server-sent chunks the openai client assembles into the same reply (tool calls
     and usage included), recorded as any call is; a call whose tool list changed is rendered whole with
@@ -321,10 +404,8 @@ def test_bad_requests_get_the_apis_errors_naming_what_to_change(scripted, bpe) -
         client.chat.completions.create(model="agent", messages=[{"role": "user", "content": "hi"}], seed=1)
     with pytest.raises(openai.BadRequestError, match="messages: List should have at least 1 item"):
         client.chat.completions.create(model="agent", messages=[])
-    with pytest.raises(openai.BadRequestError, match=r"stop: 'RR DD' is \d+ tokens; only single-token stops"):
-        client.chat.completions.create(
-            model="agent", messages=[{"role": "user", "content": "hi"}], stop="RR DD"
-        )
+    with pytest.raises(openai.BadRequestError, match="stop: each stop sequence must be a non-empty string"):
+        client.chat.completions.create(model="agent", messages=[{"role": "user", "content": "hi"}], stop="")
     bad_json = httpx.post(server.base_url + "/v1/chat/completions", content=b'{"model": "agent", ')
     assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
     huge = httpx.post(server.base_url + "/v1/completions", json={"model": "agent", "prompt": "R" * 5000})

@@ -110,6 +110,22 @@ def test_a_stop_id_ends_the_response_and_is_kept(engine: VLLMEngine) -> None:
     assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
 
 
+def test_a_stop_string_of_several_tokens_ends_the_response_at_the_token_that_completes_it(
+    engine: VLLMEngine, model_path: str
+) -> None:
+    prompt = [3, 4, 5, 11, 6]
+    (free,) = run(
+        engine, [GenerateRequest("sf", prompt, SamplingParams(max_new_tokens=8, greedy=True))]
+    ).values()
+    text = load_tokenizer(model_path).decode(free.token_ids, skip_special_tokens=True)
+    assert len(text) == len(free.token_ids) == 8  # one character a token
+    stop = text[3:5]
+    params = SamplingParams(max_new_tokens=8, greedy=True, stop=(stop,))
+    (stopped,) = run(engine, [GenerateRequest("st", prompt, params)]).values()
+    end = text.find(stop) + len(stop)
+    assert stopped.token_ids == free.token_ids[:end] and stopped.finish_reason == "stop"
+
+
 def test_abort_ends_a_request_with_its_tokens_so_far(engine: VLLMEngine) -> None:
     long = SamplingParams(max_new_tokens=300, temperature=1.0)
     engine.submit(GenerateRequest("long", [1, 2, 3], long))

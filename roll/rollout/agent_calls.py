@@ -127,8 +127,9 @@ def _bounded(run_params: SamplingParams, asked: SamplingParams, room: int | None
     at most its tokens per call and the ``room`` its context has left, and the call's stops beside its
     own."""
     stops = tuple(dict.fromkeys((*run_params.stop_token_ids, *asked.stop_token_ids)))
+    texts = tuple(dict.fromkeys((*run_params.stop, *asked.stop)))
     tokens = min(run_params.max_new_tokens, asked.max_new_tokens, room or asked.max_new_tokens)
-    return dataclasses.replace(run_params, max_new_tokens=tokens, stop_token_ids=stops)
+    return dataclasses.replace(run_params, max_new_tokens=tokens, stop_token_ids=stops, stop=texts)
 
 
 class SchedulerEngine:

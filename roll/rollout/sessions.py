@@ -33,7 +33,8 @@ __all__ = ["Branch", "Session", "SessionStore", "comparable"]
 class Branch:
     """One context of a session. ``messages``: the chat conversation whose tokens these are, ending with
     the reply this server returned (None for plain completions); ``turn_closed``: the last call ended
-    with a stop token (a continuation starts after it) rather than at its length limit."""
+    with the turn's closing token (a continuation starts after it), not at its length limit or a stop
+    of the caller's (then the continuation closes the turn first)."""
 
     token_ids: list[int] = field(default_factory=list)
     trained: list[bool] = field(default_factory=list)
@@ -44,8 +45,11 @@ class Branch:
     turn_closed: bool = True
     calls: int = 0
 
-    def extend(self, token_ids: Sequence[int], result: GenerateResult | None = None) -> None:
-        """Append ``token_ids`` masked, then ``result``'s sampled tokens trained."""
+    def extend(
+        self, token_ids: Sequence[int], result: GenerateResult | None = None, closes_turn: bool | None = None
+    ) -> None:
+        """Append ``token_ids`` masked, then ``result``'s sampled tokens trained; ``closes_turn``: whether
+        its last token closed the turn (None: whether it ended with finish reason stop)."""
         self.token_ids += token_ids
         self.trained += [False] * len(token_ids)
         self.logprobs += [0.0] * len(token_ids)
@@ -55,7 +59,7 @@ class Branch:
             self.trained += [True] * len(result.token_ids)
             self.logprobs += result.logprobs
             self.weight_versions += result.weight_versions or [-1] * len(result.token_ids)
-            self.turn_closed = result.finish_reason == "stop"
+            self.turn_closed = result.finish_reason == "stop" if closes_turn is None else closes_turn
             self.calls += 1
 
     def head(self, length: int) -> Branch:
@@ -118,10 +122,11 @@ class Session:
         result: GenerateResult,
         messages: list[dict[str, Any]] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        closes_turn: bool | None = None,
     ) -> None:
         """Record a call: ``prompt_ids`` and what was sampled after them; ``messages``: the conversation
         with the reply, when a chat call (what a later call must start with to continue it), and the
-        ``tools`` it was rendered with."""
+        ``tools`` it was rendered with; ``closes_turn``: see ``Branch.extend``."""
         prompt = list(prompt_ids)
         with self._lock:
             self.calls += 1
@@ -137,7 +142,7 @@ class Session:
                     self.forks += 1
                 target = best.head(shared) if best is not None else Branch()
                 self.branches.append(target)
-            target.extend(prompt[len(target.token_ids) :], result)
+            target.extend(prompt[len(target.token_ids) :], result, closes_turn)
             target.messages, target.tools = messages, tools
 
     def stats(self) -> dict[str, int]:

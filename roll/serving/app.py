@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from roll.rollout.sessions import Session, SessionStore, comparable
 from roll.serving.chat import ChatRenderer, RenderError
 from roll.serving.engine_bridge import EngineBridge
-from roll.strategies.requests import GenerateResult, SamplingParams
+from roll.strategies.requests import GenerateResult, SamplingParams, stop_text_end
 
 __all__ = ["Limits", "build_app"]
 
@@ -82,7 +82,7 @@ class _Sampling(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -201,20 +201,22 @@ def build_app(
             temperature=temperature if temperature > 0 else 1.0,
             top_p=1.0 if payload.top_p is None else payload.top_p,
             greedy=temperature == 0,
-            stop_token_ids=stop_ids(payload.stop),
+            **stops(payload.stop),
         )
 
-    def stop_ids(stop: str | list[str] | None) -> tuple[int, ...]:
-        texts = [stop] if isinstance(stop, str) else list(stop or [])
-        ids = []
-        for text in texts:
-            encoded = tokenizer.encode(text, add_special_tokens=False)
-            if len(encoded) != 1:
-                raise ApiError(
-                    400, f"stop: {text!r} is {len(encoded)} tokens; only single-token stops work", "stop"
-                )
-            ids.append(encoded[0])
-        return tuple(ids)
+    special = set(getattr(tokenizer, "all_special_tokens", []) or []) | set(
+        getattr(tokenizer, "get_added_vocab", dict)()
+    )
+
+    def stops(stop: str | list[str] | None) -> dict[str, tuple]:
+        """The request's stop sequences: a special token (``<|im_end|>``, which a reply's text never shows)
+        as its id, any other string as text, of any length (the engine stops at the token that completes
+        it; the reply's text ends before it)."""
+        given = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not isinstance(text, str) or not text for text in given):
+            raise ApiError(400, "stop: each stop sequence must be a non-empty string", "stop")
+        ids = tuple(tokenizer.convert_tokens_to_ids(text) for text in given if text in special)
+        return {"stop_token_ids": ids, "stop": tuple(text for text in given if text not in special)}
 
     async def sample(
         prompt_ids: list[int], params: SamplingParams, n: int, session: Session | None
@@ -267,6 +269,7 @@ def build_app(
         session = session_of(session_id)
         messages = [comparable(message) for message in payload.messages]
         tools = payload.tools if payload.tool_choice != "none" else None
+        forced = forced_tool(payload)
         try:
             if session is None:
                 prompt_ids = renderer.render(messages, tools)
@@ -274,18 +277,24 @@ def build_app(
                 prompt_ids = session.chat_prompt(
                     messages, lambda m: renderer.render(m, tools), renderer.continue_after, tools
                 )
+            opening = "" if forced is False else renderer.call_opening(tools or [], forced)
         except RenderError as error:
-            raise ApiError(400, str(error), "messages") from None
+            raise ApiError(
+                400, str(error), "tool_choice" if "tool_choice" in str(error) else "messages"
+            ) from None
+        if opening:  # the call's opening is the prompt's: the model writes the rest, which alone trains
+            prompt_ids = [*prompt_ids, *tokenizer.encode(opening, add_special_tokens=False)]
         params = sampling(payload, len(prompt_ids), payload.max_completion_tokens or payload.max_tokens)
         results = await sample(prompt_ids, params, payload.n, session)
         choices = []
         for index, result in enumerate(results):
-            content, calls = renderer.reply(result.token_ids)
+            content, calls = renderer.reply(result.token_ids, params.stop, opening)
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
             if session is not None and result.token_ids:  # nothing sampled (a spent budget): nothing to train
-                session.record(prompt_ids, result, [*messages, comparable(message)], tools)
+                closes = result.token_ids[-1] in end_of_turn_ids
+                session.record(prompt_ids, result, [*messages, comparable(message)], tools, closes)
             reason = "tool_calls" if calls else result.finish_reason
             choices.append({"index": index, "message": message, "finish_reason": reason, "logprobs": None})
         completion = {
@@ -299,6 +308,32 @@ def build_app(
         if payload.stream:
             return streamed(completion, bool((payload.stream_options or {}).get("include_usage")))
         return completion
+
+    def forced_tool(payload: ChatRequest) -> str | None | bool:
+        """What ``tool_choice`` forces: False (nothing: auto, none, unset), None (a call of any tool:
+        required) or the name of the function to call."""
+        choice = payload.tool_choice
+        if choice in (None, "auto", "none"):
+            return False
+        names = [(tool.get("function") or {}).get("name") for tool in payload.tools or []]
+        if not names:
+            raise ApiError(400, f"tool_choice: {json.dumps(choice)} needs tools to call", "tool_choice")
+        if choice == "required":
+            return None
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise ApiError(
+                400,
+                'tool_choice: "auto", "none", "required" or {"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
+        if name not in names:
+            raise ApiError(
+                400,
+                f"tool_choice: {name!r} is not one of the tools ({', '.join(map(str, names))})",
+                "tool_choice",
+            )
+        return name
 
     def streamed(completion: dict[str, Any], include_usage: bool) -> Any:
         """``completion`` as server-sent events of ``chat.completion.chunk``s: per choice its role and
@@ -347,6 +382,7 @@ def build_app(
             if session is not None and result.token_ids:
                 session.record(prompt_ids, result)
             text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            text = text[: stop_text_end(text, params.stop)]
             choices.append(
                 {"index": index, "text": text, "finish_reason": result.finish_reason, "logprobs": None}
             )

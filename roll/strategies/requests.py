@@ -23,7 +23,9 @@ class SamplingParams:
 
     ``stop_token_ids`` end a response (finish reason "stop", the stop token kept) besides the model's
     end-of-sequence ids, which always do (``roll.models.loading.end_of_sequence_ids``): e.g. the token
-    that closes a turn of a multi-turn episode."""
+    that closes a turn of a multi-turn episode. ``stop``: strings of any length that end it at the token
+    whose text completes one (kept: the sampled ids are what trains; an API's reply text ends before it,
+    ``stop_text_end``)."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -31,6 +33,7 @@ class SamplingParams:
     top_k: int = 0
     greedy: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
 
     def as_greedy(self, max_new_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(
@@ -40,7 +43,14 @@ class SamplingParams:
             top_k=0,
             greedy=True,
             stop_token_ids=self.stop_token_ids,
+            stop=self.stop,
         )
+
+
+def stop_text_end(text: str, stops: tuple[str, ...]) -> int:
+    """Where ``text`` ends for an API reply: before the first of ``stops`` in it (its length if none)."""
+    found = [text.find(stop) for stop in stops if stop and stop in text]
+    return min(found, default=len(text))
 
 
 @dataclass(frozen=True)

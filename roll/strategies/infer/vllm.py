@@ -447,7 +447,10 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
                 stop_token_ids=list(dict.fromkeys([*self._eos_ids, *params.stop_token_ids])),
                 logprobs=0,
                 output_kind=self._delta,
-                detokenize=False,
+                # vLLM finds stop strings in its detokenized text (the ids up to the token that completed
+                # one are returned); without them it need not detokenize.
+                stop=list(params.stop) or None,
+                detokenize=bool(params.stop),
                 logit_bias=dict.fromkeys(self._banned, -100.0) or None,
             )
         self._engine.add_request(request.request_id, vllm_prompt(request, self._version), sampling)
