@@ -372,5 +372,8 @@ def test_frozenlake_held_out_success_rises_with_rl(repo_root: Path, tmp_path: Pa
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     before, after = rows[0]["eval/sampled/success"], rows[-1]["eval/sampled/success"]
     assert after - before >= 0.15, (before, after)
-    assert rows[-1]["episode/invalid_action_frac"] < 0.05
+    # Over the last five steps: one step's share (some 100 turns) is noisy, and the episode schedule (hence
+    # what is sampled) varies run to run with the machine's timing.
+    last = [row["episode/invalid_action_frac"] for row in rows if "episode/invalid_action_frac" in row][-5:]
+    assert sum(last) / len(last) < 0.05, last
     assert rows[-1]["rollout/turn_samples"] > 64  # one sample per turn, several turns per episode

@@ -15,31 +15,18 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from scripted_server import TOOL_REPLY, ScriptedEngine, tool_tokenizer  # noqa: E402
+
 from roll.config.common import TinyModelConfig  # noqa: E402 - after the skips
 from roll.models.loading import end_of_sequence_ids, load_causal_lm, load_tokenizer  # noqa: E402
 from roll.models.tiny import save_tiny_model  # noqa: E402
-from roll.models.tokenizer import IM_END, build_bpe_tokenizer  # noqa: E402
+from roll.models.tokenizer import IM_END  # noqa: E402
 from roll.rollout.sessions import SessionStore  # noqa: E402
 from roll.serving.app import Limits, build_app  # noqa: E402
 from roll.serving.server import ServerThread  # noqa: E402
 from roll.strategies.infer.hf import HFEngine  # noqa: E402
 from roll.strategies.requests import GenerateResult  # noqa: E402
 
-# ChatML with tools as Qwen2.5 and Hermes render them: the tool list in the system turn, a call as
-# <tool_call>{json}</tool_call> in the assistant's text, results in <tool_response> blocks.
-TOOLS_CHATML = (
-    "{% if tools %}<|im_start|>system\nTools:{% for tool in tools %} {{ tool | tojson }}{% endfor %}"
-    "<|im_end|>\n{% endif %}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'tool' %}<|im_start|>user\n<tool_response>{{ message['content'] }}"
-    "</tool_response><|im_end|>\n"
-    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-    "{% for call in message.get('tool_calls') or [] %}<tool_call>{{ call['function'] | tojson }}"
-    "</tool_call>{% endfor %}<|im_end|>\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-CORPUS = ["RR DD RRR LL", "RR RR DD", "the result is 42", '{"name": "calc"}'] * 30
 TINY = TinyModelConfig(
     alphabet="0123456789+= ",
     hidden_size=32,
@@ -49,39 +36,11 @@ TINY = TinyModelConfig(
     intermediate_size=64,
     max_position_embeddings=128,
 )
-TOOL_REPLY = '<tool_call>{"name": "calc", "arguments": {"expression": "6*7"}}</tool_call>'
-
-
-class ScriptedEngine:
-    """Answers each request with the next of ``replies`` (token ids): what the policy "sampled", with
-    logprob -0.5 and weights version 3 for each token. Records every request and result."""
-
-    def __init__(self, replies: list[list[int]]):
-        self.replies = list(replies)
-        self.requests, self.results = [], []
-        self._lock = threading.Lock()
-
-    def submit(self, request) -> None:
-        with self._lock:
-            ids = self.replies.pop(0)
-            self.requests.append(request)
-            self.results.append(
-                GenerateResult(request.request_id, ids, [-0.5] * len(ids), "stop", [3] * len(ids))
-            )
-
-    def await_result(self, request_id: str, timeout_s: float | None) -> GenerateResult:
-        with self._lock:
-            return next(result for result in self.results if result.request_id == request_id)
-
-    def abort(self, request_id: str) -> bool:
-        return False
 
 
 @pytest.fixture(scope="module")
 def bpe():
-    tokenizer = build_bpe_tokenizer(CORPUS, vocab_size=300)
-    tokenizer.chat_template = TOOLS_CHATML
-    return tokenizer
+    return tool_tokenizer()
 
 
 @pytest.fixture()
