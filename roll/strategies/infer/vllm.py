@@ -447,10 +447,7 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
                 stop_token_ids=list(dict.fromkeys([*self._eos_ids, *params.stop_token_ids])),
                 logprobs=0,
                 output_kind=self._delta,
-                # vLLM finds stop strings in its detokenized text (the ids up to the token that completed
-                # one are returned); without them it need not detokenize.
-                stop=list(params.stop) or None,
-                detokenize=bool(params.stop),
+                detokenize=False,  # stop strings are found here (_take_output): vLLM has no tokenizer
                 logit_bias=dict.fromkeys(self._banned, -100.0) or None,
             )
         self._engine.add_request(request.request_id, vllm_prompt(request, self._version), sampling)
@@ -472,6 +469,14 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
             step[token].logprob for step, token in zip(completion.logprobs or [], completion.token_ids)
         ]
         entry.versions += [version] * len(completion.token_ids)
+        stops = entry.request.params.stop
+        if stops and not output.finished:
+            end = _stop_string_end(self._tokenizer, entry.tokens, len(completion.token_ids), stops)
+            if end is not None:  # the ids up to the one that completed it; vLLM stops at the next step
+                del entry.tokens[end:], entry.logprobs[end:], entry.versions[end:]
+                self._finish(entry, reason="stop")
+                self._aborts.append(output.request_id)
+                return
         if entry.probe and output.prompt_logprobs is not None:
             ids = entry.request.prompt_ids
             entry.prompt_logprobs = [
@@ -586,3 +591,15 @@ def _checkpoint_weights(path: Path) -> tuple[dict[str, torch.Tensor], bool]:
 
 def _embedding_name(names: Mapping[str, Any] | set[str]) -> str | None:
     return next((n for n in EMBEDDING_NAMES if n in names), None)
+
+
+def _stop_string_end(tokenizer: Any, tokens: list[int], new: int, stops: tuple[str, ...]) -> int | None:
+    """The length of ``tokens`` up to the first of its last ``new`` tokens whose text completes one of
+    ``stops`` (None: none does). The engine runs without a tokenizer (``skip_tokenizer_init``: ids in and
+    out), so stop strings are found here, on the decoded tail, as the hf engine finds them."""
+    window = max(len(stop) for stop in stops) + 8
+    for end in range(len(tokens) - new + 1, len(tokens) + 1):
+        text = tokenizer.decode(tokens[max(0, end - window) : end], skip_special_tokens=True)
+        if any(stop and stop in text for stop in stops):
+            return end
+    return None
