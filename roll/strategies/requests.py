@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from roll.data.images import VisionInputs
@@ -45,6 +45,19 @@ class SamplingParams:
             stop_token_ids=self.stop_token_ids,
             stop=self.stop,
         )
+
+
+def stop_string_end(tokenizer: Any, tokens: list[int], new: int, stops: tuple[str, ...]) -> int | None:
+    """The length of ``tokens`` up to the first of its last ``new`` tokens whose text completes one of
+    ``stops`` (None: none does); engines check at every step, so the first to complete one ends the
+    response. Only a tail is decoded: a stop string of n characters lies within the last n + 8 tokens, as
+    every token but a partial UTF-8 byte decodes to one character at least."""
+    window = max(len(stop) for stop in stops) + 8
+    for end in range(len(tokens) - new + 1, len(tokens) + 1):
+        text = tokenizer.decode(tokens[max(0, end - window) : end], skip_special_tokens=True)
+        if any(stop and stop in text for stop in stops):
+            return end
+    return None
 
 
 def stop_text_end(text: str, stops: tuple[str, ...]) -> int:

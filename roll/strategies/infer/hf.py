@@ -41,7 +41,7 @@ from roll.strategies.infer.kv_cache import SlotCache
 from roll.strategies.infer.prefix_store import DEFAULT_PREFIX_CACHE_TOKENS, PrefixStore, StoredPrefix
 from roll.strategies.infer.requests_held import INTERNAL_ID_PREFIX, RequestsHeld, results_as_batch
 from roll.strategies.offload import HostBuffers
-from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
+from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams, stop_string_end
 from roll.strategies.sampling import sample_tokens
 from roll.strategies.vision import (
     check_images_given,
@@ -582,19 +582,11 @@ class HFEngine(RequestsHeld, InferenceEngine):
         params = row.entry.request.params
         if row.tokens[-1] in self._eos_ids or row.tokens[-1] in params.stop_token_ids:
             return "stop"
-        if params.stop and self._completes_a_stop(row.tokens, params.stop):
+        if params.stop and stop_string_end(self._tokenizer, row.tokens, 1, params.stop) is not None:
             return "stop"
         if len(row.tokens) >= params.max_new_tokens:
             return "length"
         return "abort" if abort else None
-
-    def _completes_a_stop(self, tokens: list[int], stops: tuple[str, ...]) -> bool:
-        """Whether the text of ``tokens`` holds one of ``stops`` (checked at every token, so the first to
-        hold one ends the response). Only the tail is decoded: a stop string of n characters lies within
-        the last n + 8 tokens, as every token but a partial UTF-8 byte decodes to one character at least."""
-        tail = tokens[-(max(len(stop) for stop in stops) + 8) :]
-        text = self._tokenizer.decode(tail, skip_special_tokens=True)
-        return any(stop and stop in text for stop in stops)
 
     def _fail_all(self, admitted: list[_Entry], error: Exception) -> None:
         """A failed step fails every row in it (the batch's cache is no longer consistent)."""

@@ -46,7 +46,7 @@ from roll.data.images import IMAGES
 from roll.models.loading import end_of_sequence_ids, placeholder_token_ids
 from roll.strategies.infer.base import InferenceEngine, NamedTensors, copy_by_name
 from roll.strategies.infer.requests_held import INTERNAL_ID_PREFIX, RequestsHeld, results_as_batch
-from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
+from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams, stop_string_end
 
 __all__ = ["VLLMEngine", "vllm_prompt"]
 
@@ -471,7 +471,8 @@ class VLLMEngine(RequestsHeld, InferenceEngine):
         entry.versions += [version] * len(completion.token_ids)
         stops = entry.request.params.stop
         if stops and not output.finished:
-            end = _stop_string_end(self._tokenizer, entry.tokens, len(completion.token_ids), stops)
+            # The engine runs without a tokenizer (skip_tokenizer_init: ids in and out): found here.
+            end = stop_string_end(self._tokenizer, entry.tokens, len(completion.token_ids), stops)
             if end is not None:  # the ids up to the one that completed it; vLLM stops at the next step
                 del entry.tokens[end:], entry.logprobs[end:], entry.versions[end:]
                 self._finish(entry, reason="stop")
@@ -591,15 +592,3 @@ def _checkpoint_weights(path: Path) -> tuple[dict[str, torch.Tensor], bool]:
 
 def _embedding_name(names: Mapping[str, Any] | set[str]) -> str | None:
     return next((n for n in EMBEDDING_NAMES if n in names), None)
-
-
-def _stop_string_end(tokenizer: Any, tokens: list[int], new: int, stops: tuple[str, ...]) -> int | None:
-    """The length of ``tokens`` up to the first of its last ``new`` tokens whose text completes one of
-    ``stops`` (None: none does). The engine runs without a tokenizer (``skip_tokenizer_init``: ids in and
-    out), so stop strings are found here, on the decoded tail, as the hf engine finds them."""
-    window = max(len(stop) for stop in stops) + 8
-    for end in range(len(tokens) - new + 1, len(tokens) + 1):
-        text = tokenizer.decode(tokens[max(0, end - window) : end], skip_special_tokens=True)
-        if any(stop and stop in text for stop in stops):
-            return end
-    return None
