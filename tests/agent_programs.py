@@ -1,4 +1,4 @@
-"""Agent programs for the tests of ``env.name: agent``: plain ``openai`` clients, no ROLL imports.
+"""Agent programs for the tests of agent programs (``agent:``): plain ``openai`` clients, no ROLL imports.
 
 ``answer_twice`` asks for the answer, then asks again with the reply in its history; ``flaky`` fails once
 per task in the way the task's ``mode`` names, then behaves: a failing task's group is dropped and its
@@ -60,7 +60,7 @@ async def flaky(client, task: dict) -> float | None:
 
 
 async def answer_and_leave_the_scoring(client, task: dict) -> None:
-    """Asks twice and returns no reward: ``env.options.reward`` scores its transcript."""
+    """Asks twice and returns no reward: ``agent.reward`` scores its transcript."""
     await answer_twice(client, task)
 
 
@@ -102,3 +102,16 @@ async def hang_where_told(client, task: dict) -> float:
     if task.get("hangs"):
         await asyncio.Event().wait()
     return await answer_twice(client, task)
+
+
+async def with_a_sub_agent(client, task: dict) -> float:
+    """Every other run of a task first asks a sub-agent (a context of its own in the run's session) and
+    scores 1; the others answer at once and score 0."""
+    with _LOCK:
+        ATTEMPTS[f"sub-agent {task['question']}"] += 1
+        delegate = ATTEMPTS[f"sub-agent {task['question']}"] % 2 == 1
+    if delegate:
+        await client.chat.completions.create(model="any", messages=[{"role": "user", "content": "9*9=?"}])
+    question = [{"role": "user", "content": task["question"]}]
+    await client.chat.completions.create(model="any", messages=question)
+    return float(delegate)

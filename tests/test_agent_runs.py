@@ -1,4 +1,4 @@
-"""``env.name: agent``: users' agent programs played through the endpoint by the agent scheduler
+"""``agent:``: users' agent programs played through the endpoint by the agent scheduler
 (``roll.rollout.agent_scheduler``), against a fake rollout backend, with the real ``openai`` client and
 the real server on localhost."""
 
@@ -8,6 +8,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -17,7 +18,7 @@ from fake_rollout import FakeBackend  # noqa: E402
 
 from roll.envs.seeds import SeedOrder  # noqa: E402
 from roll.models.tokenizer import build_char_tokenizer  # noqa: E402
-from roll.rollout.agent_runs import AgentRunner, TaskList, check_agent_options  # noqa: E402
+from roll.rollout.agent_runs import AgentRunner, TaskList  # noqa: E402
 from roll.rollout.agent_scheduler import AgentScheduler, AgentSpec, SchedulerEngine, demonstrations  # noqa: E402
 from roll.rollout.sessions import SessionStore  # noqa: E402
 from roll.serving.app import Limits, build_app  # noqa: E402
@@ -281,23 +282,81 @@ def test_a_call_outside_a_session_is_refused(served, tmp_path):
         client.chat.completions.create(model="any", messages=[{"role": "user", "content": "1"}])
 
 
-def test_agent_options_are_checked_naming_the_key(tmp_path):
+def test_train_branches_all_gives_a_row_per_branch_with_its_runs_reward_and_a_baseline_over_runs(
+    served, tmp_path
+):
+    from roll.config.rlvr import AlgorithmConfig
+    from roll.pipelines import credit
+
+    task = {"question": "5*5=?", "answer": "25"}
+    spec = AgentSpec(groups_per_step=1, group_size=4, timeout_s=60, train_branches="all", divisor=4)
+    scheduler, _, _ = served(agent_programs.with_a_sub_agent, [task], spec, tmp_path)
+    batch, metrics = scheduler.next_batch(0)
+    real = ~batch["padding"]
+    assert len(batch) == 8 and int(real.sum()) == 6  # two runs of two branches, two of one; padded to 4s
+    rows: dict[int, list[int]] = {}
+    for row in real.nonzero().squeeze(-1).tolist():
+        rows.setdefault(int(batch["episode_index"][row]), []).append(row)
+    assert sorted(len(r) for r in rows.values()) == [1, 1, 2, 2]
+    for run_rows in rows.values():
+        assert len({batch.non_tensors["episode_id"][r] for r in run_rows}) == 1
+        assert {float(batch["scores"][r]) for r in run_rows} == {float(len(run_rows) == 2)}  # its reward
+        prompts = {TOKENIZER.decode(batch["prompt_ids"][r][batch["prompt_mask"][r].bool()]) for r in run_rows}
+        assert prompts == ({"<|user|>9*9=?<|assistant|>"} if len(run_rows) == 2 else set()) | {
+            "<|user|>5*5=?<|assistant|>"
+        }
+    assert metrics["agent/untrained_branches"] == 0 and metrics["agent/rows_per_run"] == 1.5
+    # GRPO over the four runs, not the six rows: mean 0.5, std 0.5774, so +-0.866; padding rows get 0.
+    mask = batch["loss_mask"].float()
+    rewards = credit.outcome_token_rewards(batch["scores"], mask)
+    per_run = {key: batch[key] for key in credit.PER_TURN_FIELDS if key in batch}
+    algo, groups = AlgorithmConfig(), batch["group_index"]
+    advantages, _ = credit.compute_advantages(algo, rewards, mask, groups, None, per_run)
+    first = advantages[:, 0]
+    expected = torch.where(batch["scores"] > 0, 0.8660, -0.8660) * real
+    torch.testing.assert_close(first, expected, atol=1e-3, rtol=0)
+
+    longest = dataclasses.replace(spec, train_branches="longest", divisor=1)
+    scheduler, _, _ = served(agent_programs.with_a_sub_agent, [task], longest, tmp_path)
+    batch, metrics = scheduler.next_batch(0)
+    assert len(batch) == 4 and "episode_index" not in batch and metrics["agent/untrained_branches"] == 0.5
+
+
+@pytest.mark.usefixtures("at_repo_root")
+def test_the_agent_section_is_checked_naming_the_key_and_the_old_env_form_loads_with_a_warning(tmp_path):
+    from omegaconf import OmegaConf
+
+    from roll.config.loader import ConfigError, load_config
+
+    example = "examples/agent_calculator.yaml"
     tasks = write_tasks(tmp_path / "tasks.jsonl", [TASK, TASK])
-    assert check_agent_options({"entrypoint": "agent_programs:answer_twice", "tasks": str(tasks)}, 1) == []
-    problems = "\n".join(
-        check_agent_options(
-            {"entrypoint": "agent_programs:nope", "tasks": str(tasks), "timeout": 3, "reward": "exact_mach"},
-            2,
-        )
-    )
-    assert "env.options.timeout: env.name agent has no such option" in problems
-    assert (
-        "env.options.entrypoint: entrypoint 'agent_programs:nope': agent_programs has no function" in problems
-    )
-    assert "env.options.tasks:" in problems and "holds 2 tasks; eval.seeds (2)" in problems
-    assert "env.options.reward:" in problems and "exact_match" in problems  # did you mean
-    missing = "\n".join(check_agent_options({}, 0))
-    assert "env.options.entrypoint: required" in missing and "env.options.tasks: required" in missing
+    bad = [f"agent.tasks={tasks}", "eval.seeds=2", "agent.entrypoint=agent_programs:nope"]
+    bad += ["agent.reward=exact_mach", "env.world_size=2", "env.step_timeout_s=5"]
+    bad += ["env.sample_layout=step_wise"]
+    with pytest.raises(ConfigError) as error:
+        load_config(example, bad)
+    problems = str(error.value)
+    assert "agent.entrypoint: entrypoint 'agent_programs:nope': agent_programs has no function" in problems
+    assert "agent.tasks:" in problems and "holds 2 tasks; eval.seeds (2)" in problems
+    assert "agent.reward:" in problems and "exact_match" in problems  # did you mean
+    for key in ("world_size", "step_timeout_s", "sample_layout"):
+        assert f"env.{key}: not read for agent programs (agent:)" in problems
+    with pytest.raises(ConfigError, match="agent.timeout"):
+        load_config(example, ["agent.timeout=3"])
+    branches = ["agent.train_branches=all", "algorithm.advantage_estimator=reinforce_plus_plus"]
+    with pytest.raises(ConfigError, match="all trains several rows per run, and reinforce_plus_plus "):
+        load_config(example, branches)
+    (tmp_path / "no_entrypoint.yaml").write_text(f"pipeline: agentic\nagent: {{tasks: {tasks}}}\n")
+    with pytest.raises(ConfigError, match="`agent.entrypoint` is required"):
+        load_config(tmp_path / "no_entrypoint.yaml")
+
+    old = OmegaConf.load(example)  # the form before the agent: section
+    old.env.name, old.env.options = "agent", old.pop("agent")
+    OmegaConf.save(old, tmp_path / "old.yaml")
+    with pytest.warns(FutureWarning, match="env.name: agent with the program in env.options is deprecated"):
+        migrated = load_config(tmp_path / "old.yaml")
+    assert migrated == load_config(example)
+    assert (migrated.agent.entrypoint, migrated.agent.timeout_s) == ("examples/agents/calculator.py:run", 120)
 
 
 @pytest.mark.usefixtures("at_repo_root")
@@ -309,7 +368,7 @@ def test_the_run_budgets_and_stop_reasons_reach_the_agent_scheduler():
 
     overrides = ["env.max_turns=3", "env.max_context_tokens=150", "env.stop_reasons={max_turns: mask}"]
     cfg = load_config("examples/agent_calculator.yaml", overrides)
-    spec = AgentProgramPipeline.agent_spec.fget(SimpleNamespace(config=cfg))
+    spec = AgentProgramPipeline.agent_spec.fget(SimpleNamespace(config=cfg, agent=cfg.agent))
     assert (spec.max_calls, spec.max_context_tokens) == (3, 150)
     assert spec.stop_policy["max_turns"] == "mask" and spec.stop_policy["context_limit"] == "train"
     with pytest.raises(ConfigError, match="env.stop_reasons.turn_truncated: an agent run does not end"):
@@ -337,8 +396,8 @@ def test_roll_train_runs_the_agent_program_and_replaces_a_killed_rollout_worker(
     tmp_path, repo_root, monkeypatch, caplog
 ):
     """``examples/agent_calculator.yaml`` (no warm start, a smaller model) through the pipeline: the agent's
-    runs train, and the rollout worker behind the endpoint, killed before step 2, is replaced without
-    losing a step."""
+    runs train (every branch a row, in two mini-batches: the batch of varying rows), and the rollout worker
+    behind the endpoint, killed before step 2, is replaced without losing a step."""
     import logging
     import os
     import signal
@@ -349,8 +408,12 @@ def test_roll_train_runs_the_agent_program_and_replaces_a_killed_rollout_worker(
     monkeypatch.chdir(repo_root)
     out = tmp_path / "run"
     pipeline = AgentProgramPipeline(
-        load_config("examples/agent_calculator.yaml", [*QUICK, f"output_dir={out}"])
+        load_config(
+            "examples/agent_calculator.yaml",
+            [*QUICK, f"output_dir={out}", "agent.train_branches=all", "actor.mini_batch_size=2"],
+        )
     )
+    assert pipeline.plan.actor.mini_batches_per_epoch == 2
     killed = pipeline.role_set.live["rollout"]
     step = pipeline.step
 
@@ -373,6 +436,7 @@ def test_roll_train_runs_the_agent_program_and_replaces_a_killed_rollout_worker(
     for row in rows:
         assert row["agent/failed_frac"] == 0 and row["agent/calls"] >= 1, row
         assert row["agent/agent_error_frac"] == 0 and "actor/loss" in row
+        assert row["agent/rows_per_run"] == 1 and row["agent/untrained_branches"] == 0  # one context each
 
 
 def test_the_calculator_agent_against_the_expert_records_its_tool_call_and_answer(tmp_path, repo_root):
@@ -389,7 +453,7 @@ def test_the_calculator_agent_against_the_expert_records_its_tool_call_and_answe
     cfg = load_config(repo_root / "examples/agent_calculator.yaml")
     tokenizer = build_char_tokenizer(cfg.model.tiny.alphabet)
     eos = tokenizer.eos_token_id
-    agent = load_entrypoint(str(repo_root / cfg.env.options["entrypoint"]))
+    agent = load_entrypoint(str(repo_root / cfg.agent.entrypoint))
     tasks = [{"question": "37*48", "answer": 1776}, {"question": "12*11", "answer": 132}]
     sessions, engine = SessionStore(), SchedulerEngine()
     app = build_app(engine, tokenizer, None, [eos], Limits(max_tokens=72, max_model_len=192), sessions)

@@ -157,6 +157,29 @@ def test_group_estimators_zero_mean_per_group_and_rloo_scaling():
     close(per_sample["rloo"], factor * per_sample["dr_grpo"])
 
 
+def test_sequence_estimators_count_an_episode_once_however_many_rows_it_has():
+    """An agent run trained on every branch (agent.train_branches: all) is several rows with its score:
+    with ``episode_index`` the group's statistics are over runs, and padding rows (-1) count for nothing.
+    One group: run 0 has 3 rows scoring 1, run 1 one row scoring 0, then a padding copy of row 0."""
+    rewards, mask = _outcome_rewards([1.0, 1.0, 1.0, 0.0, 1.0], [2, 1, 3, 2, 2])
+    group_index, episode_index = torch.zeros(5, dtype=torch.long), torch.tensor([0, 0, 0, 1, -1])
+    mask[4] = 0  # a padding row trains nothing
+    # Over runs: mean 0.5, unbiased std sqrt(2 * 0.25 / 1) = 0.7071 -> GRPO +-0.7071.
+    run = torch.tensor([1.0, 1.0, 1.0, -1.0, 0.0])
+    cases = {
+        "grpo": run * 0.5 / math.sqrt(0.5),
+        "dr_grpo": run * 0.5,
+        "rloo": run * 0.5 * 2,  # n / (n - 1) with n = 2 runs
+        "reinforce_baseline": run * 0.5,
+    }
+    for name, expected in cases.items():
+        advantages, _ = _estimate(name, rewards, mask, group_index, episode_index=episode_index)
+        close(advantages, expected[:, None] * mask, atol=1e-5)
+    # Without it each row counts, the padding row as a score of 0 (it trains no token): mean 3 / 5.
+    advantages, _ = _estimate("dr_grpo", rewards, mask, group_index)
+    close(advantages[3, 0], torch.tensor(-0.6))
+
+
 def test_estimators_declare_only_their_knobs():
     declared = {
         name: set(accepted_kwargs(ADVANTAGE_ESTIMATORS.get(name), ESTIMATOR_PARAMS))

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from roll.config import load_config
+from roll.config.agentic import AgentConfig
 from roll.config.common import TinyModelConfig, TinyVisionConfig
 from roll.data.batch import Batch
 from roll.data.chat_turns import ChatTurns
@@ -279,8 +280,8 @@ def test_an_env_of_pictures_needs_a_vision_language_model_and_agent_programs_tak
     cfg = load_config("examples/agentic_frozenlake_vlm.yaml")
     vision = load_run_vision(cfg.model, load_run_tokenizer(cfg.model))
     assert check_vision_pipeline(cfg, vision) == [] and check_env_pictures(cfg, vision) == []
-    agent = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, name="agent", options={}))
-    assert "env.name: agent does not pass pictures" in check_vision_pipeline(agent, vision)[0]
+    agent = dataclasses.replace(cfg, agent=AgentConfig(entrypoint="agent:run", tasks="tasks.jsonl"))
+    assert "agent: agent programs get no pictures" in check_vision_pipeline(agent, vision)[0]
 
 
 def test_lora_on_the_text_layers_with_bf16_trains_on_image_prompts_and_syncs_to_the_engine(vlm_dir, tmp_path):

@@ -578,7 +578,7 @@ def test_agentic_episodes_play_on_vllm_and_train_on_what_it_sampled(tmp_path) ->
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_session", "at_repo_root")
 def test_an_agent_program_trains_on_what_vllm_sampled_through_the_endpoint(tmp_path) -> None:
-    """``examples/agent_calculator.yaml`` (env.name: agent) on vLLM for two steps: the agent's plain
+    """``examples/agent_calculator.yaml`` (an agent: section) on vLLM for two steps: the agent's plain
     openai client reaches vLLM through the endpoint's sessions, and the runs train on the ids and logprobs
     vLLM sampled (the trainer agrees with them)."""
     from test_pipelines_cli import metrics

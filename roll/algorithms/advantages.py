@@ -54,19 +54,27 @@ def _per_token(per_sequence: torch.Tensor, loss_mask: torch.Tensor) -> torch.Ten
 
 
 def _group_stats(
-    scores: torch.Tensor, group_index: torch.Tensor
+    scores: torch.Tensor, group_index: torch.Tensor, episode_index: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample ``(mean, unbiased std, size)`` of the sample's own group, each ``[B]``.
 
     Vectorised with ``index_add_`` over dense group ids, so the cost is independent of how many
     groups there are. A group of one sample has mean equal to its score and std 0.
+
+    ``episode_index``: rows of one episode (one agent run's branches, which share its score) count once
+    between them, so an episode weighs no more for having more rows; ``size`` is then the group's
+    episodes. Rows with ``episode_index`` -1 (padding) count for nothing.
     """
+    weights = torch.ones_like(scores)
+    if episode_index is not None:
+        _, episode, rows = torch.unique(episode_index, return_inverse=True, return_counts=True)
+        weights = torch.where(episode_index >= 0, 1.0 / rows[episode].to(scores.dtype), 0.0)
     _, dense = torch.unique(group_index, return_inverse=True)
     num_groups = int(dense.max().item()) + 1 if dense.numel() else 0
-    counts = scores.new_zeros(num_groups).index_add_(0, dense, torch.ones_like(scores))
-    sums = scores.new_zeros(num_groups).index_add_(0, dense, scores)
-    mean = (sums / counts)[dense]
-    squares = scores.new_zeros(num_groups).index_add_(0, dense, (scores - mean) ** 2)
+    counts = scores.new_zeros(num_groups).index_add_(0, dense, weights)
+    sums = scores.new_zeros(num_groups).index_add_(0, dense, scores * weights)
+    mean = (sums / counts.clamp(min=1e-12))[dense]
+    squares = scores.new_zeros(num_groups).index_add_(0, dense, weights * (scores - mean) ** 2)
     # Bessel's correction; clamping n - 1 at 1 makes a singleton's std 0 instead of 0/0.
     std = (squares / (counts - 1).clamp(min=1)).sqrt()[dense]
     return mean, std, counts[dense]
@@ -128,6 +136,7 @@ def grpo_advantages(
     group_index: torch.Tensor,
     norm_adv_by_std: bool = True,
     eps: float = 1e-6,
+    episode_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: each response's score relative to the other responses to the same prompt.
 
@@ -150,13 +159,15 @@ def grpo_advantages(
         norm_adv_by_std: divide by the group std (GRPO); ``False`` gives the Dr. GRPO variant, which
             avoids up-weighting groups whose rewards barely differ.
         eps: keeps the division finite for groups with (near) zero std.
+        episode_index: ``[B]`` long or None: rows of one episode (an agent run's branches) count once in
+            their group's statistics (``_group_stats``).
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]`` float32; returns equal advantages.
     """
     with torch.no_grad():
         scores = _sequence_scores(token_level_rewards, loss_mask)
-        mean, std, _ = _group_stats(scores, group_index)
+        mean, std, _ = _group_stats(scores, group_index, episode_index)
         centred = scores - mean
         advantage = centred / (std + eps) if norm_adv_by_std else centred
         advantages = _per_token(advantage, loss_mask)
@@ -168,6 +179,7 @@ def dr_grpo_advantages(
     token_level_rewards: torch.Tensor,
     loss_mask: torch.Tensor,
     group_index: torch.Tensor,
+    episode_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): ``score - mean_group``.
 
@@ -180,11 +192,14 @@ def dr_grpo_advantages(
         token_level_rewards: ``[B, T]``.
         loss_mask: ``[B, T]``.
         group_index: ``[B]`` long.
+        episode_index: ``[B]`` long or None: rows of one episode count once (``_group_stats``).
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]`` float32; returns equal advantages.
     """
-    return grpo_advantages(token_level_rewards, loss_mask, group_index, norm_adv_by_std=False)
+    return grpo_advantages(
+        token_level_rewards, loss_mask, group_index, norm_adv_by_std=False, episode_index=episode_index
+    )
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo", needs_groups=True, needs_values=False)
@@ -192,6 +207,7 @@ def rloo_advantages(
     token_level_rewards: torch.Tensor,
     loss_mask: torch.Tensor,
     group_index: torch.Tensor,
+    episode_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO (Ahmadian et al. 2024, "Back to Basics"): leave-one-out baseline within each group.
 
@@ -206,13 +222,14 @@ def rloo_advantages(
         token_level_rewards: ``[B, T]``.
         loss_mask: ``[B, T]``.
         group_index: ``[B]`` long.
+        episode_index: ``[B]`` long or None: rows of one episode count once (``_group_stats``).
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]`` float32; returns equal advantages.
     """
     with torch.no_grad():
         scores = _sequence_scores(token_level_rewards, loss_mask)
-        mean, _, size = _group_stats(scores, group_index)
+        mean, _, size = _group_stats(scores, group_index, episode_index)
         # Singleton: the centred score is 0 already; the clamp only avoids 1 / 0.
         advantage = (scores - mean) * size / (size - 1).clamp(min=1)
         advantages = _per_token(advantage, loss_mask)
@@ -224,6 +241,7 @@ def reinforce_baseline_advantages(
     token_level_rewards: torch.Tensor,
     loss_mask: torch.Tensor,
     group_index: torch.Tensor,
+    episode_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE with the batch-mean score as baseline: ``advantage = score - mean_batch(score)``.
 
@@ -234,13 +252,15 @@ def reinforce_baseline_advantages(
         token_level_rewards: ``[B, T]``.
         loss_mask: ``[B, T]``.
         group_index: ``[B]`` (unused).
+        episode_index: ``[B]`` long or None: rows of one episode count once (``_group_stats``).
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]`` float32; returns equal advantages.
     """
     with torch.no_grad():
         scores = _sequence_scores(token_level_rewards, loss_mask)
-        advantages = _per_token(scores - scores.mean(), loss_mask)
+        mean, _, _ = _group_stats(scores, torch.zeros_like(group_index), episode_index)
+        advantages = _per_token(scores - mean, loss_mask)
     return advantages, advantages
 
 

@@ -76,12 +76,45 @@ class EnvConfig:
         {},
         help="What to do with an episode per stop reason (env_done, max_turns, context_limit, "
         "turn_truncated): train (its return as is), mask (in its group's baseline, no tokens trained) or "
-        "zero (trained with return 0). Merged over train for every reason. Agent runs (env.name: agent): "
+        "zero (trained with return 0). Merged over train for every reason. Agent runs (agent:): "
         "env_done is a run its agent ended; max_turns and context_limit a run out of its budget.",
     )
 
     def stop_policy(self) -> dict[str, str]:
         return {**DEFAULT_STOP_POLICY, **self.stop_reasons}
+
+
+@dataclass
+class AgentConfig:
+    """A user's agent program, trained through the endpoint instead of an environment (docs/agents.md)."""
+
+    entrypoint: str = option(
+        help="Your agent program, module:function or file.py:function: async def run(client, task) -> "
+        "float | None (or a plain function taking an openai.OpenAI).",
+    )
+    tasks: str = option(
+        help="A dataset file of tasks (any format roll train reads), one per row, each handed to the agent "
+        "as a dict; the first eval.seeds are held out.",
+    )
+    timeout_s: float = option(
+        300.0, gt=0, help="A run's wall-time bound; a run past it is dropped as agent_timeout."
+    )
+    reward: str | None = option(
+        None,
+        help="A registered reward function (exact_match, math_verify, yours) that scores the run's last "
+        "reply against its task, for agents that return None; unset: the agent's own reward.",
+    )
+    train_branches: Literal["longest", "all"] = option(
+        "longest",
+        help="Which contexts of a run train: longest, the branch with the most sampled tokens; all, every "
+        "branch with sampled tokens (a sub-agent's, a summariser's), each a row with the run's reward, "
+        "counted once per run in its group's baseline.",
+    )
+
+
+# The env keys agent programs read (budgets and what a run's stop reason does); the rest belong to
+# environments and are refused when set beside an agent: section.
+AGENT_ENV_KEYS = ("max_turns", "max_context_tokens", "stop_reasons", "group_size_redundancy")
 
 
 @dataclass
@@ -128,6 +161,13 @@ class AgenticConfig:
     steps: int = option(100, gt=0, help="RL training steps (one batch of episode groups each).")
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The initial policy."})
     env: EnvConfig = field(default_factory=EnvConfig, metadata={"help": "Environment and episode budgets."})
+    agent: AgentConfig | None = field(
+        default=None,
+        metadata={
+            "help": "Train your agent program through the endpoint instead of an environment (env then "
+            "gives only its budgets: max_turns, max_context_tokens, stop_reasons, group_size_redundancy)."
+        },
+    )
     sft_warm_start: ExpertWarmStartConfig | None = field(
         default=None,
         metadata={"help": "Imitate a scripted expert before RL (unset: RL from the model as is)."},
@@ -155,3 +195,19 @@ class AgenticConfig:
         default_factory=HealthConfig, metadata={"help": "Run-health monitors (docs/health.md)."}
     )
     ray: RayConfig = field(default_factory=RayConfig, metadata={"help": "Ray connection."})
+
+
+def migrate_agent_env(raw: Any) -> str | None:
+    """An old config's ``env.name: agent`` with the program in ``env.options``, rewritten in place as an
+    ``agent:`` section (``raw``: the YAML mapping before the schema). Returns the deprecation message, or
+    None when there was nothing to rewrite."""
+    env = raw.get("env") if hasattr(raw, "get") else None
+    if not hasattr(env, "get") or env.get("name") != "agent" or raw.get("agent") is not None:
+        return None
+    raw["agent"] = env.pop("options", None) or {}
+    env.pop("name")
+    return (
+        "env.name: agent with the program in env.options is deprecated: write an agent: section "
+        "(agent.entrypoint, agent.tasks, agent.timeout_s, agent.reward) and drop env.name and env.options; "
+        "this config is read as if it did"
+    )

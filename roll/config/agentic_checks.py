@@ -3,7 +3,9 @@ warm start's expert), run at load before Ray or a model starts."""
 
 from __future__ import annotations
 
-from roll.config.agentic import DEFAULT_STOP_POLICY, STOP_POLICIES, AgenticConfig
+import dataclasses
+
+from roll.config.agentic import AGENT_ENV_KEYS, DEFAULT_STOP_POLICY, STOP_POLICIES, AgenticConfig, EnvConfig
 from roll.config.rl_checks import bounds_and_world_sizes, check_async_generation, check_policy_training
 from roll.config.validation import (
     check_model,
@@ -20,7 +22,6 @@ def validate_agentic(cfg: AgenticConfig) -> list[str]:
     from roll.envs import ENVIRONMENTS
     from roll.envs.agents import AGENTS
     from roll.envs.base import check_env
-    from roll.rollout.agent_runs import AGENT_ENV
 
     problems = bounds_and_world_sizes(cfg)
     if problems:
@@ -28,8 +29,13 @@ def validate_agentic(cfg: AgenticConfig) -> list[str]:
     problems = check_policy_training(cfg) + check_async_generation(cfg)
     problems += check_model(cfg.model) + check_tiny_model(cfg.model) + check_tracking(cfg.tracking)
     rollout, env = cfg.rollout, cfg.env
-    if env.name == AGENT_ENV:  # a user's agent program (roll.pipelines.agent_programs), not an env
+    if cfg.agent is not None:  # a user's agent program (roll.pipelines.agent_programs), not an env
         problems += check_agent_env(cfg)
+    elif env.name == "agent":
+        problems.append(
+            "env.name: agent: agent programs are configured in an agent: section now (agent.entrypoint, "
+            "agent.tasks, ...); drop env.name and env.options (docs/agents.md)"
+        )
     else:
         problems += check_env("env", env.name, env.options)
     for reason, rule in env.stop_reasons.items():
@@ -44,7 +50,7 @@ def validate_agentic(cfg: AgenticConfig) -> list[str]:
     # A failed step is retried on a fresh instance with the episode replayed: a reset and every earlier
     # turn again, each within the step timeout. The worker's call must be allowed that long.
     worst_call_s = env.step_timeout_s * (env.max_turns + 2)
-    if worst_call_s >= cfg.ray.call_timeout_s:
+    if worst_call_s >= cfg.ray.call_timeout_s and cfg.agent is None:
         problems.append(
             f"env.step_timeout_s ({env.step_timeout_s:g}) x (env.max_turns + 2) = {worst_call_s:g} s, the "
             f"longest an env worker's call may take (a retry replays the episode), reaches "
@@ -89,33 +95,55 @@ def validate_agentic(cfg: AgenticConfig) -> list[str]:
             problems += check_kwargs(
                 "sft_warm_start.expert_options", AGENTS.get(warm.expert), warm.expert_options
             )
-    if env.name in ENVIRONMENTS and not problems:
+    if cfg.agent is None and env.name in ENVIRONMENTS and not problems:
         problems += check_seeds(cfg)
     return problems
 
 
 def check_agent_env(cfg: AgenticConfig) -> list[str]:
-    """``env.name: agent``: its options, the serve extra, and the layout its runs have (one sample each)."""
-    from roll.rollout.agent_runs import check_agent_options
+    """``agent:``: the program, its tasks and reward, the serve extra, an estimator that can count a run
+    once whatever its branches, and no env key set that only environments read."""
+    from roll.rollout.agent_runs import check_agent
     from roll.serving import require_serving
 
     try:
         require_serving()
     except ImportError as e:
-        return [f"env.name: agent: {e}"]
-    problems = check_agent_options(cfg.env.options, cfg.eval.seeds)
-    if cfg.env.sample_layout != "trajectory":
-        problems.append(
-            "env.sample_layout: env.name agent trains one sample per run (trajectory); step_wise is not "
-            "supported for it yet"
-        )
+        return [f"agent: {e}"]
+    assert cfg.agent is not None
+    problems = check_agent(cfg.agent, cfg.eval.seeds)
+    defaults = EnvConfig()
+    problems += [
+        f"env.{key}: not read for agent programs (agent:), whose env section gives only "
+        f"{', '.join(AGENT_ENV_KEYS)}; remove it"
+        for key in (f.name for f in dataclasses.fields(EnvConfig))
+        if key not in AGENT_ENV_KEYS and getattr(cfg.env, key) != getattr(defaults, key)
+    ]
     if "turn_truncated" in cfg.env.stop_reasons:
         problems.append(
             "env.stop_reasons.turn_truncated: an agent run does not end at a truncated call (its agent gets "
-            "the reply at its length limit and goes on); env.name agent reads env_done (the agent ended "
+            "the reply at its length limit and goes on); agent runs read env_done (the agent ended "
             "the run), max_turns and context_limit"
         )
+    if cfg.agent.train_branches == "all":
+        from roll.algorithms import ADVANTAGE_ESTIMATORS
+
+        estimator = cfg.algorithm.advantage_estimator
+        able = [n for n in ADVANTAGE_ESTIMATORS.names() if _counts_runs(ADVANTAGE_ESTIMATORS.get(n))]
+        if estimator in ADVANTAGE_ESTIMATORS.names() and estimator not in able:
+            problems.append(
+                f"agent.train_branches: all trains several rows per run, and {estimator} would count a run "
+                f"once per branch in its baseline; use one that counts runs ({', '.join(able)}) or "
+                "train_branches: longest"
+            )
     return problems
+
+
+def _counts_runs(estimator: object) -> bool:
+    """Whether an advantage estimator reads ``episode_index`` (each episode once in its statistics)."""
+    import inspect
+
+    return "episode_index" in inspect.signature(estimator).parameters  # type: ignore[arg-type]
 
 
 def check_kwargs(key: str, cls: type, options: dict) -> list[str]:

@@ -189,7 +189,7 @@ class RayConfig:
         60.0,
         ge=0,
         help="While a remote call runs longer than this, print which ranks it waits on; while agent "
-        "programs play (env.name: agent), their runs ended, failed by reason, and playing (0: never).",
+        "programs play (agent:), their runs ended, failed by reason, and playing (0: never).",
     )
 
 

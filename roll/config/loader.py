@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from roll.config.agentic import AgenticConfig
+from roll.config.agentic import AgenticConfig, migrate_agent_env
 from roll.config.devices import parse_mapping_strings
 from roll.config.distill import DistillConfig
 from roll.config.dpo import DPOConfig
@@ -61,6 +62,8 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Pipel
         parse_mapping_strings(raw)
     except ValueError as e:
         raise ConfigError(f"{path}: {e}") from None
+    if schema is AgenticConfig and (deprecated := migrate_agent_env(raw)) is not None:
+        warnings.warn(f"{path}: {deprecated}", FutureWarning, stacklevel=2)
     config = _to_dataclass(schema, raw, source=str(path))
     try:
         import_plugins(config.imports, search_path=os.getcwd())

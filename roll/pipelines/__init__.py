@@ -26,9 +26,7 @@ def run_sft(config: Any, inputs: Any = None, **run_dir: Any) -> Any:
 
 @PIPELINES.register("agentic")
 def run_agentic(config: Any, inputs: Any = None, **run_dir: Any) -> Any:
-    from roll.rollout.agent_runs import AGENT_ENV
-
-    if config.env.name == AGENT_ENV:  # a user's agent program behind the endpoint, not an env
+    if config.agent is not None:  # a user's agent program behind the endpoint, not an env
         from roll.pipelines.agent_programs import AgentProgramPipeline
 
         return AgentProgramPipeline(config, inputs, **run_dir).run()

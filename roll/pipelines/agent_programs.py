@@ -1,9 +1,10 @@
-"""Agentic RL on a user's agent program (``env.name: agent``): the agent calls an OpenAI-compatible
+"""Agentic RL on a user's agent program (the ``agent:`` section): the agent calls an OpenAI-compatible
 endpoint, and what the policy sampled for it is what trains.
 
     serve the policy on the endpoint (in this process), its sessions recording token ids
     each step: run the agent on groups of tasks, each run in its own session
-             -> one sample per run: its session's main branch, the run's reward as the score
+             -> a sample per run (its longest branch) or per branch (agent.train_branches: all),
+                the run's reward as the score, each run once in its group's baseline
              -> the RL step (GRPO, REINFORCE, PPO)
     evaluate: one greedy and one sampled run per held-out task
 
@@ -17,16 +18,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from roll.config.agentic import AgentConfig
 from roll.config.common import EvalConfig
 from roll.config.sft import SFTTrainConfig
 from roll.envs.agents import make_agent
 from roll.envs.seeds import SeedOrder, held_out_seeds
 from roll.models.loading import turn_stop_ids
-from roll.pipelines.agentic import AgenticPipeline
+from roll.pipelines.agentic import AgenticPipeline, episodes_per_step
 from roll.pipelines.preflight import RunInputs
 from roll.pipelines.roles import Role
+from roll.pipelines.worker_specs import mini_batches_per_epoch
 from roll.rewards.base import score_response
-from roll.rollout.agent_runs import OPTIONS, AgentRunner, TaskList, load_entrypoint
+from roll.rollout.agent_runs import AgentRunner, TaskList, load_entrypoint
 from roll.rollout.agent_scheduler import (
     AgentScheduler,
     AgentSpec,
@@ -42,19 +45,24 @@ from roll.utils.signals import set_activity
 
 
 class AgentProgramPipeline(AgenticPipeline):
-    """RL on runs of ``env.options.entrypoint`` over the tasks of ``env.options.tasks``."""
+    """RL on runs of ``agent.entrypoint`` over the tasks of ``agent.tasks``."""
 
     scheduler_roles = frozenset({"rollout"})
     server: Any = None
     runner: AgentRunner | None = None
 
     def take_inputs(self, inputs: RunInputs) -> None:
-        options = self.config.env.options
-        self.tasks = TaskList(options["tasks"], self.config.eval.seeds)
+        agent = self.agent
+        self.tasks = TaskList(agent.tasks, self.config.eval.seeds)
         self.seed_order = SeedOrder(self.tasks, self.config.eval.seeds)  # type: ignore[arg-type]
-        self.entrypoint = load_entrypoint(options["entrypoint"])
+        self.entrypoint = load_entrypoint(agent.entrypoint)
         self.sessions = SessionStore()
         self.engine = SchedulerEngine()
+
+    @property
+    def agent(self) -> AgentConfig:
+        assert self.config.agent is not None  # roll.pipelines.run_agentic picks this pipeline by it
+        return self.config.agent
 
     def extra_roles(self) -> dict[str, Role]:
         return {}  # the agent runs in this process; the policy's calls go to the rollout workers
@@ -86,13 +94,20 @@ class AgentProgramPipeline(AgenticPipeline):
         return AgentSpec(
             groups_per_step=cfg.rollout.rollout_batch_size,
             group_size=cfg.rollout.num_return_sequences,
-            timeout_s=float(cfg.env.options.get("timeout_s", OPTIONS["timeout_s"])),
+            timeout_s=self.agent.timeout_s,
             max_calls=cfg.env.max_turns,
             max_context_tokens=cfg.env.max_context_tokens,
             stop_policy=cfg.env.stop_policy(),
             redundancy=cfg.env.group_size_redundancy,
             async_generation_ratio=cfg.rollout.async_generation_ratio,
+            train_branches=self.agent.train_branches,
+            # Every branch a row: the batch is padded to the actor's ranks times its mini-batches.
+            divisor=cfg.actor.world_size * mini_batches_per_epoch(cfg.actor, episodes_per_step(cfg)),
         )
+
+    @property
+    def rows_vary(self) -> bool:  # train_branches all: as many rows as the runs have branches
+        return self.agent.train_branches == "all"
 
     def make_scheduler(self, backend: RolloutBackend, id_prefix: str) -> AgentScheduler:
         return self._scheduler(backend, self.agent_spec, self.plan.sampling, self.seed_order, id_prefix)
@@ -122,9 +137,9 @@ class AgentProgramPipeline(AgenticPipeline):
         return scheduler
 
     def _transcript_reward(self) -> Any:
-        """``env.options.reward`` as the scheduler's ``transcript_reward`` (None where unset): the prompt
+        """``agent.reward`` as the scheduler's ``transcript_reward`` (None where unset): the prompt
         is the run's transcript up to its last reply (as rendered), the response that reply's text."""
-        name = self.config.env.options.get("reward")
+        name = self.agent.reward
         if name is None:
             return None
         decode = self.tokenizer.decode

@@ -24,7 +24,6 @@ from roll.data.columns import ANSWER, merged_columns
 from roll.data.dataset import DatasetError
 from roll.data.prompts import PromptSet, load_datasets, load_prompts
 from roll.pipelines.engine_preflight import check_vllm_fits
-from roll.rollout.agent_runs import AGENT_ENV
 from roll.utils.registry import Registry
 
 # How long the Ray cluster named by ray.address has to accept a connection.
@@ -324,9 +323,9 @@ def check_vision_pipeline(cfg: Any, vision: Any) -> list[str]:
             f"pipeline: {cfg.pipeline} does not take a vision-language model ({name}) yet; the RLVR, SFT "
             "and agentic pipelines do (docs/vlm.md)"
         ]
-    if cfg.pipeline == "agentic" and cfg.env.name == AGENT_ENV:
+    if cfg.pipeline == "agentic" and cfg.agent is not None:
         return [
-            f"env.name: agent does not pass pictures through the endpoint yet: train {name} on an "
+            f"agent: agent programs get no pictures through the endpoint yet: train {name} on an "
             "environment (docs/vlm.md)"
         ]
     rollout = getattr(cfg, "rollout", None)
@@ -353,7 +352,7 @@ def check_env_pictures(cfg: Any, vision: Any) -> list[str]:
     """An environment that shows pictures needs a vision-language policy (its first observation tells)."""
     from roll.envs.base import ImageObservation, make_env
 
-    if vision is not None or cfg.env.name == AGENT_ENV:
+    if vision is not None or cfg.agent is not None:
         return []
     env = make_env(cfg.env.name, cfg.env.options)
     try:

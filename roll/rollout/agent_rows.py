@@ -1,7 +1,7 @@
 """Agent runs as training rows and metrics: one run (``AgentRun``: its session and how it ended), a batch
-of runs (``run_batch``: one row per run, its sampled tokens trained), their metrics (``run_metrics``), and
-the warm start's demonstrations (``demonstrations``). The scheduler that plays them is
-``roll.rollout.agent_scheduler``."""
+of runs (``run_batch``: a row per trained branch of each run, its sampled tokens trained), their metrics
+(``run_metrics``, ``scheduler_metrics``), and the warm start's demonstrations (``demonstrations``). The
+scheduler that plays them is ``roll.rollout.agent_scheduler``."""
 
 from __future__ import annotations
 
@@ -15,12 +15,22 @@ from roll.data.batch import Batch
 from roll.data.padding import left_pad, right_pad
 from roll.data.prompts import PromptSet
 from roll.rollout.agent_runs import AgentOutcome
+from roll.rollout.episode_batch import pad_evenly
 from roll.rollout.sessions import Branch, Session
 
 if TYPE_CHECKING:
     from roll.rollout.agent_scheduler import AgentScheduler
 
-__all__ = ["BUDGETS", "DONE", "FAILURES", "AgentRun", "demonstrations", "run_batch", "run_metrics"]
+__all__ = [
+    "BUDGETS",
+    "DONE",
+    "FAILURES",
+    "AgentRun",
+    "demonstrations",
+    "run_batch",
+    "run_metrics",
+    "scheduler_metrics",
+]
 
 FAILURES = ("agent_error", "agent_timeout", "no_calls", "no_reward")
 BUDGETS = ("max_turns", "context_limit")  # the stop reasons of a run that ran out of a budget
@@ -49,21 +59,30 @@ class AgentRun:
         return self.outcome is not None and self.outcome.failure is not None
 
     def sample(self) -> Branch | None:
-        """The branch trained on: the one with the most sampled tokens (the latest of equals)."""
+        """The run's longest branch: the one with the most sampled tokens (the latest of equals)."""
         best = None
         for branch in self.session.branches:
             if any(branch.trained) and (best is None or sum(branch.trained) >= sum(best.trained)):
                 best = branch
         return best
 
+    def trained_branches(self, every: bool) -> list[Branch]:
+        """The branches that train: ``every`` branch with sampled tokens (``agent.train_branches: all``),
+        in the order they opened, or the longest alone."""
+        if every:
+            return [branch for branch in self.session.branches if any(branch.trained)]
+        longest = self.sample()
+        return [] if longest is None else [longest]
 
-def run_metrics(runs: list[AgentRun], prefix: str) -> dict[str, float]:
+
+def run_metrics(runs: list[AgentRun], prefix: str, every_branch: bool = False) -> dict[str, float]:
     """Return, success (reward > 0), calls, branches, forks, trained and masked tokens of ``runs`` (failed
-    runs count in ``failed_frac`` and as no success)."""
+    runs count in ``failed_frac`` and as no success); ``untrained_branches``: a run's branches with sampled
+    tokens that do not train (none with ``every_branch``)."""
     n = max(len(runs), 1)
     rewards = [run.outcome.reward if run.outcome and run.outcome.reward is not None else 0.0 for run in runs]
     stats = [run.session.stats() for run in runs]
-    samples = [run.sample() for run in runs]
+    trains = [run.trained_branches(every_branch) for run in runs]
     trained = sum(stat["trained_tokens"] for stat in stats)
     masked = sum(stat["masked_tokens"] for stat in stats)
     stops = {f"{prefix}/stop/{why}": sum(run.stop_reason == why for run in runs) / n for why in BUDGETS}
@@ -77,8 +96,8 @@ def run_metrics(runs: list[AgentRun], prefix: str) -> dict[str, float]:
         f"{prefix}/forks": sum(stat["forks"] for stat in stats) / n,
         f"{prefix}/masked_token_frac": masked / max(trained + masked, 1),
         f"{prefix}/untrained_branches": sum(
-            sum(1 for b in run.session.branches if b is not sample and any(b.trained))
-            for run, sample in zip(runs, samples)
+            sum(1 for b in run.session.branches if any(b.trained) and all(b is not t for t in trained))
+            for run, trained in zip(runs, trains)
         )
         / n,
     }
@@ -90,21 +109,27 @@ def run_batch(
     seeds: list[int],
     pad_id: int,
     stop_policy: Mapping[str, str] | None = None,
+    every_branch: bool = False,
+    divisor: int = 1,
 ) -> Batch:
-    """One row per run (see the module docstring): prompt left-padded, response right-padded, the loss on
-    the sampled tokens, the score the run's reward; a run that ran out of a budget as ``stop_policy``
-    says (``mask``: no token trained, ``zero``: scored 0)."""
-    prompts, responses, trained, logprobs, scores = [], [], [], [], []
-    for run in runs:
-        branch = run.sample()
-        assert branch is not None  # a run with no sampled token failed (no_calls)
+    """A row per trained branch of each run (``AgentRun.trained_branches``): prompt left-padded, response
+    right-padded, the loss on the sampled tokens, the score the run's reward; a run that ran out of a
+    budget as ``stop_policy`` says (``mask``: no token trained, ``zero``: scored 0). With
+    ``every_branch`` the rows carry ``episode_index`` (the run's place in ``runs``), so the estimators
+    count each run once in its group, and the batch is padded to a multiple of ``divisor`` rows
+    (``roll.rollout.episode_batch.pad_evenly``)."""
+    prompts, responses, trained, logprobs, scores, owners = [], [], [], [], [], []
+    for index, run in enumerate(runs):
         rule = (stop_policy or {}).get(run.stop_reason or "env_done", "train")  # its agent ended it
-        first = branch.trained.index(True)
-        prompts.append(branch.token_ids[:first])
-        responses.append(branch.token_ids[first:])
-        trained.append([flag and rule != "mask" for flag in branch.trained[first:]])
-        logprobs.append(branch.logprobs[first:])
-        scores.append(0.0 if rule == "zero" else run.outcome.reward)
+        for branch in run.trained_branches(every_branch):
+            first = branch.trained.index(True)
+            prompts.append(branch.token_ids[:first])
+            responses.append(branch.token_ids[first:])
+            trained.append([flag and rule != "mask" for flag in branch.trained[first:]])
+            logprobs.append(branch.logprobs[first:])
+            scores.append(0.0 if rule == "zero" else run.outcome.reward)
+            owners.append(index)
+    assert len(set(owners)) == len(runs)  # a run with no sampled token failed (no_calls)
     prompt_ids, prompt_mask = left_pad(prompts, pad_id)
     response_ids, response_mask = right_pad(responses, pad_id)
     loss_mask = torch.zeros_like(response_mask)
@@ -112,7 +137,7 @@ def run_batch(
     for row, (flags, values) in enumerate(zip(trained, logprobs)):
         loss_mask[row, : len(flags)] = torch.tensor(flags, dtype=loss_mask.dtype)
         rollout_logprobs[row, : len(values)] = torch.tensor(values)
-    return Batch(
+    batch = Batch(
         tensors={
             "prompt_ids": prompt_ids,
             "prompt_mask": prompt_mask,
@@ -120,16 +145,44 @@ def run_batch(
             "response_mask": response_mask,
             "loss_mask": loss_mask,
             "rollout_logprobs": rollout_logprobs,
-            "group_index": torch.tensor(group_index),
+            "group_index": torch.tensor([group_index[i] for i in owners]),
             "scores": torch.tensor(scores, dtype=torch.float32),
         },
         non_tensors={
-            "seed": [seeds[i] for i in group_index],
-            "stop_reason": [run.stop_reason or DONE for run in runs],
-            "token_rewards": [None] * len(runs),
-            "episode_id": [run.run_id for run in runs],
+            "seed": [seeds[group_index[i]] for i in owners],
+            "stop_reason": [runs[i].stop_reason or DONE for i in owners],
+            "token_rewards": [None] * len(owners),
+            "episode_id": [runs[i].run_id for i in owners],
         },
     )
+    if not every_branch:
+        return batch
+    batch["episode_index"] = torch.tensor(owners)
+    return pad_evenly(batch, divisor)
+
+
+def scheduler_metrics(
+    runs: list[AgentRun], counts: Mapping[str, int], weights_version: int
+) -> dict[str, float]:
+    """The failure rates of a step's runs (``counts``: runs ended, by how), its dropped groups and aborted
+    runs, and the staleness of ``runs`` (their oldest sampled token's weights) at ``weights_version``."""
+    counted = max(counts.get("runs", 0), 1)
+    oldest = [
+        min((v for b in run.session.branches for v in b.weight_versions if v >= 0), default=weights_version)
+        for run in runs
+    ]
+    staleness = [weights_version - version for version in oldest]
+    metrics = {f"agent/{failure}_frac": counts.get(failure, 0) / counted for failure in FAILURES}
+    metrics.update(
+        {
+            "rollout/dropped_groups": float(counts.get("dropped_groups", 0)),
+            "rollout/aborted_runs": float(counts.get("aborted_runs", 0)),
+            "rollout/stale_groups": float(counts.get("stale_groups", 0)),
+            "rollout/staleness_mean": sum(staleness) / max(len(staleness), 1),
+            "rollout/staleness_max": float(max(staleness, default=0)),
+        }
+    )
+    return metrics
 
 
 def demonstrations(scheduler: AgentScheduler, count: int) -> PromptSet:
@@ -140,6 +193,8 @@ def demonstrations(scheduler: AgentScheduler, count: int) -> PromptSet:
     while len(rows) < count:
         batch, _ = scheduler.next_batch(0)
         for row in range(len(batch)):
+            if "padding" in batch and bool(batch["padding"][row]):
+                continue
             n = int(batch["response_mask"][row].sum())
             prompts.append(batch["prompt_ids"][row][batch["prompt_mask"][row].bool()].tolist())
             rows.append(

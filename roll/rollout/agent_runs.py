@@ -1,4 +1,4 @@
-"""Users' agent programs, run as episodes: ``env.name: agent`` with ``env.options.entrypoint``.
+"""Users' agent programs, run as episodes: the ``agent:`` section's ``entrypoint``.
 
 An agent program is a function of an OpenAI client and a task (a row of the task dataset)::
 
@@ -7,7 +7,7 @@ An agent program is a function of an OpenAI client and a task (a row of the task
 or the same as a plain function taking an ``openai.OpenAI``. Each run gets a client pointed at its own session
 of the endpoint (``roll.serving``; the record is ``roll.rollout.sessions``), so what the policy samples for it
 is recorded as token ids. It returns its reward, or None when it posted one (``POST
-/rl/sessions/<id>/reward``) or when ``env.options.reward`` (a registered reward function) is to score its
+/rl/sessions/<id>/reward``) or when ``agent.reward`` (a registered reward function) is to score its
 transcript.
 
 ``AgentRunner`` plays the runs on one asyncio loop in a thread of the driver, each within a wall-time
@@ -30,17 +30,15 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from roll.data.formats import read_rows
 from roll.utils.plugins import import_plugins
 
-__all__ = ["AgentOutcome", "AgentRunner", "TaskList", "check_agent_options", "load_entrypoint"]
+if TYPE_CHECKING:
+    from roll.config.agentic import AgentConfig
 
-AGENT_ENV = "agent"  # the env.name of an agent program
-# env.options of env.name: agent, and their defaults (None: required).
-OPTIONS: dict[str, Any] = {"entrypoint": None, "tasks": None, "timeout_s": 300.0, "reward": None}
-REQUIRED = ("entrypoint", "tasks")
+__all__ = ["AgentOutcome", "AgentRunner", "TaskList", "check_agent", "load_entrypoint"]
 
 # How the OpenAI client of a run behaves: it retries a 429 (too much in flight) and a 5xx this often.
 CLIENT_RETRIES = 5
@@ -89,46 +87,26 @@ def _import_file(path: Path) -> Any:
     return module
 
 
-def check_agent_options(options: dict[str, Any], held_out: int) -> list[str]:
-    """What is wrong with ``env.options`` of ``env.name: agent``, each naming its key: unknown or missing
-    keys, an entrypoint that does not import, a task file that cannot be read or holds too few tasks."""
-    problems = [
-        f"env.options.{key}: env.name agent has no such option; it takes {', '.join(OPTIONS)}"
-        for key in options
-        if key not in OPTIONS
-    ]
-    problems += [
-        f"env.options.{key}: required with env.name agent ({HELP[key]})"
-        for key in REQUIRED
-        if key not in options
-    ]
-    timeout = options.get("timeout_s", OPTIONS["timeout_s"])
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        problems.append(f"env.options.timeout_s: a positive number of seconds, got {timeout!r}")
-    if "entrypoint" in options:
-        try:
-            load_entrypoint(options["entrypoint"])
-        except (ImportError, ValueError) as error:
-            problems.append(f"env.options.entrypoint: {error}")
-    if "tasks" in options:
-        try:
-            TaskList(options["tasks"], held_out)
-        except ValueError as error:  # DatasetError is one
-            problems.append(f"env.options.tasks: {error}")
-    if options.get("reward") is not None:
+def check_agent(agent: AgentConfig, held_out: int) -> list[str]:
+    """What is wrong with an ``agent:`` section, each naming its key: an entrypoint that does not import,
+    a task file that cannot be read or holds too few tasks, an unknown reward."""
+    problems = []
+    try:
+        load_entrypoint(agent.entrypoint)
+    except (ImportError, ValueError) as error:
+        problems.append(f"agent.entrypoint: {error}")
+    try:
+        TaskList(agent.tasks, held_out)
+    except ValueError as error:  # DatasetError is one
+        problems.append(f"agent.tasks: {error}")
+    if agent.reward is not None:
         from roll.rewards import REWARD_FUNCTIONS
 
         try:
-            REWARD_FUNCTIONS.get(options["reward"])
+            REWARD_FUNCTIONS.get(agent.reward)
         except KeyError as error:
-            problems.append(f"env.options.reward: {error.args[0]}")
+            problems.append(f"agent.reward: {error.args[0]}")
     return problems
-
-
-HELP = {
-    "entrypoint": "module:function, your agent program (async def run(client, task) -> float | None)",
-    "tasks": "a dataset file of tasks, one per row, each handed to the agent as a dict",
-}
 
 
 class TaskList:
@@ -229,7 +207,7 @@ class AgentRunner:
         if reward is None:
             return AgentOutcome(
                 failure="no_reward",
-                error="the agent returned None, posted no reward for its session, and env.options.reward "
+                error="the agent returned None, posted no reward for its session, and agent.reward "
                 "is unset",
             )
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):

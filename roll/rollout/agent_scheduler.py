@@ -25,17 +25,16 @@ and more stops.
   complete is dropped and the next task drawn in its place (``agent/*_frac``, ``rollout/dropped_groups``);
   more than ``max_dropped_groups`` in one step stop the run, naming the agent's last error. A failed
   run is never trained on, and never scored 0.
-- **Samples.** Trajectory-wise, one row per run: the branch of its session (``roll.rollout.sessions``)
-  with the most sampled tokens. Its leading tokens up to the first sampled one are the prompt; the rest
-  is the response, the sampled tokens trained and every other (tool results, the next user turn, a
-  fork's unproven tokens) masked. A run's other branches (a sub-agent's context, an edited history) are
-  counted (``agent/untrained_branches``) and not trained yet (``roll.rollout.agent_rows``).
-- **A hung run holds up only its group** where the groups a batch passes over are not lost: with spare
-  groups (``spare_groups``, the warm start's: more groups play than a batch takes) and asynchronously
-  (they play on into a later batch, within the staleness bound), a batch takes the first *ready* groups
-  in draw order. Synchronously a batch is the first groups in draw order, and a hung run holds its step
-  up to ``timeout_s``: the groups passed over would be stale after the update, and dropping them would
-  never train the slowest tasks.
+- **Samples** (``roll.rollout.agent_rows``). Trajectory-wise, a row per trained branch of a run's session
+  (``roll.rollout.sessions``): the one with the most sampled tokens, or every one with ``train_branches``
+  ``all`` (a sub-agent's context, an edited history), each with the run's reward and counted once per run
+  in its group's baseline. A branch's tokens up to its first sampled one are the prompt; the rest is the
+  response, the sampled tokens trained and every other (tool results, the next user turn, a fork's
+  unproven tokens) masked.
+- **A hung run holds up only its group** where the groups a batch passes over are not lost (spare
+  groups, the warm start's; asynchronously, into a later batch): a batch takes the first *ready* groups
+  in draw order. Synchronously it takes the first groups in draw order, and a hung run holds its step up
+  to ``timeout_s``: the groups passed over would be stale, and dropping them never trains slow tasks.
 
 The endpoint-facing calls are ``roll.rollout.agent_calls``.
 """
@@ -52,23 +51,24 @@ from typing import Any
 
 from roll.data.batch import Batch
 from roll.rollout.agent_calls import EndpointCalls, SchedulerEngine, _Call
-from roll.rollout.agent_rows import BUDGETS, DONE, FAILURES, AgentRun, demonstrations, run_batch, run_metrics
+from roll.rollout.agent_rows import (
+    BUDGETS,
+    DONE,
+    FAILURES,
+    AgentRun,
+    demonstrations,
+    run_batch,
+    run_metrics,
+    scheduler_metrics,
+)
 from roll.rollout.agent_runs import AgentOutcome, AgentRunner, TaskList
 from roll.rollout.backend import RolloutBackend
 from roll.rollout.group_scheduler import GroupScheduler, Source
 from roll.rollout.sessions import Session, SessionStore
 from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 
-__all__ = [
-    "AgentGroup",
-    "AgentRun",
-    "AgentScheduler",
-    "AgentSpec",
-    "SchedulerEngine",
-    "demonstrations",
-    "run_batch",
-    "run_metrics",
-]
+__all__ = ["AgentGroup", "AgentRun", "AgentScheduler", "AgentSpec", "SchedulerEngine", "demonstrations"]
+__all__ += ["run_batch", "run_metrics"]
 
 logger = logging.getLogger(__name__)
 clock: Callable[[], float] = time.monotonic  # of the progress lines (a test steps it)
@@ -81,7 +81,9 @@ class AgentSpec:
     here); ``stop_policy``: stop reason -> train, mask or zero (``env.stop_reasons``);
     ``async_generation_ratio`` as for episodes. ``spare_groups``: groups played beyond the batch's, the
     batch then taking the first ready groups in draw order, so that a slow or hung run holds up only its
-    own group (the warm start's: it imitates, so favouring quick runs biases nothing)."""
+    own group (the warm start's: it imitates, so favouring quick runs biases nothing). ``train_branches``:
+    ``longest`` or ``all`` (``agent.train_branches``); with ``all`` a batch is padded to a multiple of
+    ``divisor`` rows (the actor's ranks times its mini-batches)."""
 
     groups_per_step: int
     group_size: int
@@ -92,6 +94,8 @@ class AgentSpec:
     async_generation_ratio: int = 0
     stop_policy: Mapping[str, str] = field(default_factory=dict)
     spare_groups: int = 0
+    train_branches: str = "longest"
+    divisor: int = 1
 
     @property
     def max_dropped_groups(self) -> int:
@@ -381,30 +385,11 @@ class AgentScheduler(EndpointCalls, GroupScheduler):
             runs = [group.runs[rid] for group in groups for rid in group.ended]
             group_index = [i for i, group in enumerate(groups) for _ in group.ended]
             seeds = [group.seed for group in groups]
-            batch = run_batch(runs, group_index, seeds, self.pad_id, self.spec.stop_policy)
-            metrics = run_metrics(runs, "agent")
-            metrics.update(self._scheduler_metrics(runs))
+            spec, every = self.spec, self.spec.train_branches == "all"
+            batch = run_batch(runs, group_index, seeds, self.pad_id, spec.stop_policy, every, spec.divisor)
+            metrics = run_metrics(runs, "agent", every)
+            metrics.update(scheduler_metrics(runs, self._counts, self.weights_version))
+            if every:
+                metrics["agent/rows_per_run"] = float((~batch["padding"]).sum()) / max(len(runs), 1)
             self._counts.clear()
             return batch, metrics
-
-    def _scheduler_metrics(self, runs: list[AgentRun]) -> dict[str, float]:
-        counted = max(self._counts.get("runs", 0), 1)
-        oldest = [
-            min(
-                (v for b in run.session.branches for v in b.weight_versions if v >= 0),
-                default=self.weights_version,
-            )
-            for run in runs
-        ]
-        staleness = [self.weights_version - version for version in oldest]
-        metrics = {f"agent/{failure}_frac": self._counts.get(failure, 0) / counted for failure in FAILURES}
-        metrics.update(
-            {
-                "rollout/dropped_groups": float(self._counts.get("dropped_groups", 0)),
-                "rollout/aborted_runs": float(self._counts.get("aborted_runs", 0)),
-                "rollout/stale_groups": float(self._counts.get("stale_groups", 0)),
-                "rollout/staleness_mean": sum(staleness) / max(len(staleness), 1),
-                "rollout/staleness_max": float(max(staleness, default=0)),
-            }
-        )
-        return metrics

@@ -152,7 +152,8 @@ def pad_evenly(batch: Batch, divisor: int) -> Batch:
     even as can be), then copies of its first row as padding. Padding all at the end could leave a
     whole mini-batch of filler, and an optimizer step on it would move the weights by momentum alone.
 
-    Padding rows have ``padding`` True, ``loss_mask`` 0 and ``episode_index``/``anchor_index`` -1."""
+    Padding rows have ``padding`` True, ``loss_mask`` 0 and ``episode_index``/``anchor_index`` (where the
+    batch has them) -1."""
     real = len(batch)
     base, extra = divmod(real, divisor)
     size = base + (extra > 0)
@@ -167,8 +168,9 @@ def pad_evenly(batch: Batch, divisor: int) -> Batch:
     fill = torch.tensor(padding)
     batch["padding"] = fill
     batch["loss_mask"][fill] = 0
-    batch["episode_index"][fill] = -1
-    batch["anchor_index"][fill] = -1
+    for key in ("episode_index", "anchor_index"):
+        if key in batch:
+            batch[key][fill] = -1
     return batch
 
 

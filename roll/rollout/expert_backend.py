@@ -1,4 +1,4 @@
-"""A rollout backend whose "policy" is a scripted expert: the SFT warm start of ``env.name: agent`` plays the
+"""A rollout backend whose "policy" is a scripted expert: the SFT warm start of agent programs plays the
 user's agent program against it, so the demonstrations are recorded by the same sessions, in the same
 token layout, as the runs RL later samples.
 
