@@ -59,3 +59,50 @@ def tool_tokenizer():
     tokenizer = build_bpe_tokenizer(CORPUS, vocab_size=300)
     tokenizer.chat_template = TOOLS_CHATML
     return tokenizer
+
+
+# Llama 3.1's way with custom tools, after its published template: the tools as JSON in the first user
+# message, a call as the assistant's whole reply {"name": ..., "parameters": ...}, results in an ipython
+# turn, <|eot_id|> closing every turn.
+LLAMA31_TOOLS = (
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] | trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{%- if tools is not none %}{{- 'Environment: ipython\\n' }}{%- endif %}"
+    "{{- 'Cutting Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n' }}"
+    "{{- system_message }}{{- '<|eot_id|>' }}"
+    "{%- if tools is not none %}{%- set first_user_message = messages[0]['content'] | trim %}"
+    "{%- set messages = messages[1:] %}"
+    "{{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}"
+    "{{- 'Given the following functions, please respond with a JSON for a function call with its proper "
+    "arguments that best answers the given prompt.\\n\\n' }}"
+    "{{- 'Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and "
+    "its value}. Do not use variables.\\n\\n' }}"
+    "{%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\\n\\n' }}{%- endfor %}"
+    "{{- first_user_message + '<|eot_id|>' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}"
+    "{%- elif 'tool_calls' in message %}{%- set tool_call = message.tool_calls[0].function %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}"
+    "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}' }}{{- '<|eot_id|>' }}"
+    "{%- elif message.role == 'tool' or message.role == 'ipython' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}"
+    "{%- if message.content is mapping or message.content is iterable %}{{- message.content | tojson }}"
+    "{%- else %}{{- message.content }}{%- endif %}{{- '<|eot_id|>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+EOT = "<|eot_id|>"
+
+
+def llama_tool_tokenizer():
+    """The merge-prone BPE tokenizer with Llama 3.1's header and end-of-turn tokens and ``LLAMA31_TOOLS``."""
+    tokenizer = build_bpe_tokenizer(CORPUS, vocab_size=300)
+    tokens = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", EOT]
+    tokenizer.add_special_tokens({"bos_token": tokens[0], "additional_special_tokens": tokens[1:]})
+    tokenizer.chat_template = LLAMA31_TOOLS
+    return tokenizer

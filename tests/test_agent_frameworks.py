@@ -1,7 +1,8 @@
 """Agents written with the common frameworks, unchanged, against the endpoint: the OpenAI Agents SDK
-(its Chat Completions model class), LangChain's ``ChatOpenAI`` and smolagents' ``OpenAIServerModel`` with
-a ``ToolCallingAgent``. Each calls a tool and answers through a session, over a scripted engine (the test
-chooses what the policy "samples"), and the session holds exactly the sampled ids as trained tokens.
+(over the Responses API, its default, and Chat Completions), LangChain's ``ChatOpenAI`` and smolagents'
+``OpenAIServerModel`` with a ``ToolCallingAgent``. Each calls a tool and answers through a session, over a
+scripted engine (the test chooses what the policy "samples"), and the session holds exactly the sampled
+ids as trained tokens.
 
 Skipped where a framework is not installed (the ``test`` extra installs all three)."""
 
@@ -57,7 +58,9 @@ def trained_ids(sessions: SessionStore, session: str) -> list[list[int]]:
 CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
 
 
-def test_an_openai_agents_sdk_agent_calls_its_tool_and_answers(served, bpe):
+@pytest.mark.parametrize("transport", ["OpenAIResponsesModel", "OpenAIChatCompletionsModel"])
+def test_an_openai_agents_sdk_agent_calls_its_tool_and_answers(served, bpe, transport):
+    """Over both of the SDK's model classes: the Responses API (its default) and Chat Completions."""
     agents = pytest.importorskip("agents")
     import openai
 
@@ -71,7 +74,7 @@ def test_an_openai_agents_sdk_agent_calls_its_tool_and_answers(served, bpe):
         return a * b
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
-    model = agents.OpenAIChatCompletionsModel(model="policy", openai_client=client)
+    model = getattr(agents, transport)(model="policy", openai_client=client)
     agent = agents.Agent(name="calculator", instructions="Use the tool.", tools=[multiply], model=model)
     result = agents.Runner.run_sync(agent, "What is 6 times 7?")
     assert result.final_output == "6 times 7 is 42"

@@ -213,6 +213,104 @@ def test_a_tool_call_round_trips_through_the_api_and_the_episode_continues(scrip
     assert second_prompt.endswith("<tool_response>42</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_the_responses_api_calls_a_tool_and_its_output_continues_the_same_branch(scripted, bpe) -> None:
+    """``client.responses.create``: instructions, a function tool, then the call and its output as the
+    next input. The second call extends the branch the first recorded (no fork), what trains is exactly
+    what was sampled, and what the server cannot honour is refused naming the field."""
+    engine, sessions, server = scripted
+    end = bpe.convert_tokens_to_ids(IM_END)
+    engine.replies = [[*bpe.encode(TOOL_REPLY), end], [*bpe.encode("the result is 42"), end]]
+    session = httpx.post(server.base_url + "/rl/sessions").json()["id"]
+    client = client_for(server, session)
+    tools = [{"type": "function", "name": "calc", "parameters": {"type": "object"}, "strict": False}]
+    items: list = [{"role": "user", "content": "6*7?"}]
+    first = client.responses.create(model="agent", instructions="Be brief.", input=items, tools=tools)
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "calc" and first.status == "completed"
+    assert json.loads(call.arguments) == {"expression": "6*7"} and first.output_text == ""
+    prompt = bpe.decode(list(engine.requests[0].prompt_ids))
+    assert "Tools:" in prompt and "<|im_start|>system\nBe brief.<|im_end|>" in prompt
+    assert first.usage.output_tokens == len(engine.replies_given[0])
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "42"}
+    items += [call.model_dump(exclude_none=True), output]
+    second = client.responses.create(model="agent", instructions="Be brief.", input=items, tools=tools)
+    assert second.output_text == "the result is 42" and [item.type for item in second.output] == ["message"]
+    (branch,) = sessions.get(session).branches
+    assert sessions.get(session).stats()["forks"] == 0
+    assert [t for t, kept in zip(branch.token_ids, branch.trained) if kept] == [
+        *engine.replies_given[0],
+        *engine.replies_given[1],
+    ]
+    after = "<tool_response>42</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert bpe.decode(list(engine.requests[1].prompt_ids)).endswith(after)
+    url = f"{server.base_url}/sessions/{session}/v1/responses"
+    for extra, param in [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"stream": True}, "stream"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0]"),
+        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+    ]:
+        reply = httpx.post(url, json={"model": "agent", "input": "6*7?", **extra})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (extra, reply.text)
+
+
+def test_llama_3_1_json_tool_calls_round_trip_and_a_named_call_starts_as_its_template_writes_it() -> None:
+    """A template that writes calls as Llama 3.1's does (the reply is ``{"name", "parameters"}``, results in
+    an ipython turn): the reply's call is parsed, the tool's result continues the same branch, a forced
+    call starts with ``{"name": "calc", "parameters": `` in the prompt (masked), and an answer stays text."""
+    from scripted_server import EOT, llama_tool_tokenizer
+
+    llama = llama_tool_tokenizer()
+    end = llama.convert_tokens_to_ids(EOT)
+    engine, sessions = ScriptedEngine([]), SessionStore()
+    call = '{"name": "calc", "parameters": {"expression": "6*7"}}'
+    engine.replies = [[*llama.encode(call), end], [*llama.encode("the result is 42"), end]]
+    engine.replies.append([*llama.encode('{"expression": "7*6"}}'), end])
+    app = build_app(engine, llama, None, [end], Limits(), sessions)
+    with ServerThread(app) as server:
+        session = httpx.post(server.base_url + "/rl/sessions").json()["id"]
+        client = client_for(server, session)
+        tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+        messages = [{"role": "user", "content": "6*7?"}]
+        first = client.chat.completions.create(model="m", messages=messages, tools=tools)
+        (tool_call,) = first.choices[0].message.tool_calls
+        assert tool_call.function.name == "calc"
+        assert json.loads(tool_call.function.arguments) == {"expression": "6*7"}
+        assert first.choices[0].finish_reason == "tool_calls" and first.choices[0].message.content == ""
+        messages += [
+            first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": tool_call.id, "content": "42"},
+        ]
+        second = client.chat.completions.create(model="m", messages=messages, tools=tools)
+        answer = second.choices[0].message
+        assert answer.content == "the result is 42" and not answer.tool_calls
+        prompt = llama.decode(list(engine.requests[1].prompt_ids))
+        result = '<|start_header_id|>ipython<|end_header_id|>\n\n"42"<|eot_id|>'
+        assert prompt.endswith(result + "<|start_header_id|>assistant<|end_header_id|>\n\n")
+        (branch,) = sessions.get(session).branches
+        trained = [t for t, kept in zip(branch.token_ids, branch.trained) if kept]
+        assert trained == [*engine.replies_given[0], *engine.replies_given[1]]
+        forced = {"type": "function", "function": {"name": "calc"}}
+        third = client.chat.completions.create(
+            model="m", messages=messages[:1], tools=tools, tool_choice=forced
+        )
+        assert json.loads(third.choices[0].message.tool_calls[0].function.arguments) == {"expression": "7*6"}
+        opening = '{"name": "calc", "parameters": '
+        assert llama.decode(list(engine.requests[2].prompt_ids)).endswith(f"<|end_header_id|>\n\n{opening}")
+
+
+def test_a_response_cut_at_its_length_limit_is_incomplete() -> None:
+    from roll.serving.responses import response_object
+
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    choice = {"message": {"role": "assistant", "content": "ab"}, "finish_reason": "length"}
+    cut = response_object({"choices": [choice], "model": "m", "usage": usage}, {"max_output_tokens": 2})
+    assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert cut["output"][0]["content"][0]["text"] == "ab" and cut["usage"]["output_tokens"] == 2
+
+
 def test_a_stop_string_of_several_tokens_ends_generation_at_the_token_that_completes_it(tiny_server) -> None:
     """The engine stops at the token whose text completes the stop string; the reply's text ends before
     it, as the API's does; the ids returned for training are all the sampled ones."""

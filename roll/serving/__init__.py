@@ -5,8 +5,10 @@
   branch forks a new one, and tokens whose sampled origin cannot be proven are never trained.
 - ``chat``: messages to prompt ids through the model's chat template, and tool calls out of its text.
 - ``engine_bridge``: the asyncio side of an ``InferenceEngine``.
-- ``app``: the FastAPI application (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, and
-  the same under ``/sessions/<id>/v1``), ``server``: uvicorn in a thread, and ``roll serve``.
+- ``app``: the FastAPI application (``/v1/chat/completions``, ``/v1/responses``, ``/v1/completions``,
+  ``/v1/models``, and the same under ``/sessions/<id>/v1``); ``protocol``: the requests' schema, bounds,
+  errors and streamed chunks; ``responses``: the Responses API as a chat call; ``server``: uvicorn in a
+  thread, and ``roll serve``.
 
 FastAPI, uvicorn and the openai client (for agents trained through it) are the ``serve`` extra: ``pip
 install 'roll-rl[serve]'``.

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP application (FastAPI).
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``; the same under
+Routes: ``POST /v1/chat/completions``, ``POST /v1/responses`` (the Responses API's core, translated to a
+chat call: ``roll.serving.responses``), ``POST /v1/completions``, ``GET /v1/models``; the same under
 ``/sessions/<id>/v1`` record each call's token ids in that session (``roll.rollout.sessions``);
 ``POST /rl/sessions`` opens a session (its ``base_url`` is what an agent's client takes), ``GET
 /rl/sessions/<id>`` returns what it recorded, ``POST /rl/sessions/<id>/reward`` (``{"reward": x}``) sets
@@ -17,84 +18,27 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from roll.rollout.sessions import Session, SessionStore, comparable
 from roll.serving.chat import ChatRenderer, RenderError
 from roll.serving.engine_bridge import EngineBridge
+from roll.serving.protocol import (
+    UNSUPPORTED,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Limits,
+    SamplingRequest,
+    chat_chunks,
+    forced_tool,
+)
+from roll.serving.responses import chat_body, response_object
 from roll.strategies.requests import GenerateResult, SamplingParams, stop_text_end
 
 __all__ = ["Limits", "build_app"]
-
-
-@dataclass(frozen=True)
-class Limits:
-    """``max_request_bytes``: a request body's size; ``max_tokens``: tokens per response (and the default
-    of a chat request that sets none); ``max_n``: samples per request; ``max_in_flight``: requests being
-    answered at once (more get 429, which OpenAI clients retry); ``max_model_len``: prompt + response
-    (None: the engine bounds it, as a training run's scheduler does per run); ``clamp_max_tokens``: a
-    request asking for more tokens than these bounds leave gets what they leave
-    instead of a 400 (a training run, where the run's budgets decide, not what an agent program asks)."""
-
-    max_request_bytes: int = 1 << 20
-    max_tokens: int = 4096
-    max_n: int = 16
-    max_in_flight: int = 256
-    max_model_len: int | None = 2048
-    clamp_max_tokens: bool = False
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-# Parameters the engines cannot honour: set to anything but their neutral value, a request is refused
-# rather than answered as if they had been applied.
-UNSUPPORTED = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": None,
-    "logprobs": None,
-    "top_logprobs": None,
-    "seed": None,
-    "echo": False,
-    "suffix": None,
-    "best_of": None,
-}
-
-
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")  # clients send more (user, metadata): checked or ignored
-
-    model: str
-    n: int = Field(1, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
-
-
-class ChatRequest(_Sampling):
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
-    max_completion_tokens: int | None = Field(None, ge=1)
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    # Honoured as the model samples: several calls in one reply are returned as several; false (at most
-    # one) and a structured format would need constrained decoding, which this server does not do.
-    parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int] = Field(min_length=1)
-    stream: bool = False
 
 
 def build_app(
@@ -133,7 +77,7 @@ def build_app(
         body = {"message": message, "type": "server_error", "param": None, "code": None}
         return JSONResponse({"error": body}, status_code=500)
 
-    async def parsed(request: Request, model: type[BaseModel]) -> Any:
+    async def body_of(request: Request) -> dict[str, Any]:
         body = await request.body()
         if len(body) > limits.max_request_bytes:
             raise ApiError(413, f"the request body is {len(body)} bytes; at most {limits.max_request_bytes}")
@@ -143,6 +87,12 @@ def build_app(
             raise ApiError(400, f"the request body is not valid JSON: {error}") from None
         if not isinstance(raw, dict):
             raise ApiError(400, "the request body must be a JSON object")
+        return raw
+
+    async def parsed(request: Request, model: type[BaseModel]) -> Any:
+        return validated(await body_of(request), model)
+
+    def validated(raw: dict[str, Any], model: type[BaseModel]) -> Any:
         try:
             payload = model.model_validate(raw)
         except ValidationError as error:
@@ -176,7 +126,7 @@ def build_app(
             )
         return session
 
-    def sampling(payload: _Sampling, prompt_length: int, max_tokens: int | None) -> SamplingParams:
+    def sampling(payload: SamplingRequest, prompt_length: int, max_tokens: int | None) -> SamplingParams:
         room = limits.max_tokens if limits.max_model_len is None else limits.max_model_len - prompt_length
         if room < 1:
             raise ApiError(
@@ -252,6 +202,21 @@ def build_app(
 
     async def chat(request: Request, session_id: str | None = None) -> Any:
         payload: ChatRequest = await parsed(request, ChatRequest)
+        completion = await answer(payload, session_id)
+        if payload.stream:
+            from fastapi.responses import StreamingResponse
+
+            events = chat_chunks(completion, bool((payload.stream_options or {}).get("include_usage")))
+            return StreamingResponse(iter(events), media_type="text/event-stream")
+        return completion
+
+    async def respond(request: Request, session_id: str | None = None) -> dict[str, Any]:
+        raw = await body_of(request)
+        payload: ChatRequest = validated(chat_body(raw), ChatRequest)
+        return response_object(await answer(payload, session_id), raw)
+
+    async def answer(payload: ChatRequest, session_id: str | None) -> dict[str, Any]:
+        """The chat completion ``payload`` asks for, recorded in the session ``session_id`` names."""
         if payload.parallel_tool_calls is False:
             raise ApiError(
                 400,
@@ -297,7 +262,7 @@ def build_app(
                 session.record(prompt_ids, result, [*messages, comparable(message)], tools, closes)
             reason = "tool_calls" if calls else result.finish_reason
             choices.append({"index": index, "message": message, "finish_reason": reason, "logprobs": None})
-        completion = {
+        return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
@@ -305,62 +270,6 @@ def build_app(
             "choices": choices,
             "usage": usage(prompt_ids, results),
         }
-        if payload.stream:
-            return streamed(completion, bool((payload.stream_options or {}).get("include_usage")))
-        return completion
-
-    def forced_tool(payload: ChatRequest) -> str | None | bool:
-        """What ``tool_choice`` forces: False (nothing: auto, none, unset), None (a call of any tool:
-        required) or the name of the function to call."""
-        choice = payload.tool_choice
-        if choice in (None, "auto", "none"):
-            return False
-        names = [(tool.get("function") or {}).get("name") for tool in payload.tools or []]
-        if not names:
-            raise ApiError(400, f"tool_choice: {json.dumps(choice)} needs tools to call", "tool_choice")
-        if choice == "required":
-            return None
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if not isinstance(name, str):
-            raise ApiError(
-                400,
-                'tool_choice: "auto", "none", "required" or {"type": "function", "function": {"name": ...}}',
-                "tool_choice",
-            )
-        if name not in names:
-            raise ApiError(
-                400,
-                f"tool_choice: {name!r} is not one of the tools ({', '.join(map(str, names))})",
-                "tool_choice",
-            )
-        return name
-
-    def streamed(completion: dict[str, Any], include_usage: bool) -> Any:
-        """``completion`` as server-sent events of ``chat.completion.chunk``s: per choice its role and
-        content, its tool calls, then its finish reason; the usage in a last chunk when asked for. The
-        reply is generated whole first, so a stream carries it in a few chunks, not token by token."""
-        from fastapi.responses import StreamingResponse
-
-        head = {key: completion[key] for key in ("id", "created", "model")}
-
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            body = {**head, "object": "chat.completion.chunk", "choices": choices, **extra}
-            return f"data: {json.dumps(body)}\n\n"
-
-        events = []
-        for choice in completion["choices"]:
-            message, index = choice["message"], choice["index"]
-            delta: dict[str, Any] = {"role": "assistant", "content": message["content"]}
-            events.append(chunk([{"index": index, "delta": delta, "finish_reason": None}]))
-            if message.get("tool_calls"):
-                calls = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
-                delta = {"tool_calls": calls}
-                events.append(chunk([{"index": index, "delta": delta, "finish_reason": None}]))
-            events.append(chunk([{"index": index, "delta": {}, "finish_reason": choice["finish_reason"]}]))
-        if include_usage:
-            events.append(chunk([], usage=completion["usage"]))
-        events.append("data: [DONE]\n\n")
-        return StreamingResponse(iter(events), media_type="text/event-stream")
 
     async def complete(request: Request, session_id: str | None = None) -> dict[str, Any]:
         payload: CompletionRequest = await parsed(request, CompletionRequest)
@@ -406,6 +315,14 @@ def build_app(
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def chat_in_session(request: Request, session_id: str) -> Any:
         return await chat(request, session_id)
+
+    @app.post("/v1/responses")
+    async def respond_alone(request: Request) -> dict[str, Any]:
+        return await respond(request)
+
+    @app.post("/sessions/{session_id}/v1/responses")
+    async def respond_in_session(request: Request, session_id: str) -> dict[str, Any]:
+        return await respond(request, session_id)
 
     @app.post("/v1/completions")
     async def complete_alone(request: Request) -> dict[str, Any]:
