@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+import time
 
 import httpx
 
@@ -115,3 +116,18 @@ async def with_a_sub_agent(client, task: dict) -> float:
     question = [{"role": "user", "content": task["question"]}]
     await client.chat.completions.create(model="any", messages=question)
     return float(delegate)
+
+
+async def raise_on_a_cut_reply(client, task: dict) -> float:
+    """Raises on a reply cut at its length limit, as the OpenAI Agents SDK does on an incomplete response."""
+    reply = await client.chat.completions.create(model="any", messages=[{"role": "user", "content": "1"}])
+    if reply.choices[0].finish_reason == "length":
+        raise RuntimeError("the reply was cut at its length limit")
+    return 1.0
+
+
+async def blocks_the_loop(client, task: dict) -> float:
+    """An async agent with blocking code in it (a sleep standing in for a synchronous client)."""
+    time.sleep(0.6)
+    reply = await client.chat.completions.create(model="any", messages=[{"role": "user", "content": "1"}])
+    return float(reply.choices[0].finish_reason == "stop")

@@ -43,6 +43,7 @@ class FakeBackend(RolloutBackend):
     scored_at: dict[str, float] = field(default_factory=dict)  # request id -> time its reward was sent
     generated_at: dict[str, float] = field(default_factory=dict)
     max_running: list[int] = field(default_factory=list)
+    cut_at_max_tokens: bool = False  # a response longer than its max_new_tokens is cut there ("length")
 
     def __post_init__(self) -> None:
         self._events: list[tuple[float, int, str, object]] = []
@@ -59,8 +60,11 @@ class FakeBackend(RolloutBackend):
             self.submits.append((self.now, worker, [r.request_id for r in requests]))
             for request in requests:
                 tokens, seconds = self.script(request)
+                finish = "stop"
+                if self.cut_at_max_tokens and len(tokens) >= request.params.max_new_tokens:
+                    tokens, finish = tokens[: request.params.max_new_tokens], "length"
                 versions = [self.version] * len(tokens)
-                result = GenerateResult(request.request_id, tokens, [-0.5] * len(tokens), "stop", versions)
+                result = GenerateResult(request.request_id, tokens, [-0.5] * len(tokens), finish, versions)
                 self._push(self.now + seconds, "generated", result)
                 self._running[request.request_id] = worker
             load = sum(1 for w in self._running.values() if w == worker)

@@ -41,8 +41,8 @@ def served():
     """A factory: ``make(entrypoint, tasks, spec)`` -> (scheduler, backend); everything closed after."""
     opened = []
 
-    def make(entrypoint, tasks, spec, tmp_path, workers=1):
-        backend = FakeBackend(lambda request: (list(ANSWER), 0.0), num_workers=workers)
+    def make(entrypoint, tasks, spec, tmp_path, workers=1, reply=ANSWER):
+        backend = FakeBackend(lambda request: (list(reply), 0.0), num_workers=workers, cut_at_max_tokens=True)
         backend.requests = []
         script = backend.script
         backend.script = lambda request: (backend.requests.append(request), script(request))[1]
@@ -258,6 +258,42 @@ def test_a_run_past_its_turn_budget_is_trained_with_its_stop_reason(served, tmp_
     assert batch["loss_mask"].sum() == 0 and batch["response_mask"].sum() > 0
 
 
+def test_an_agent_that_fails_on_a_reply_cut_at_its_length_limit_is_trained_as_turn_truncated(
+    served, tmp_path
+):
+    """As the OpenAI Agents SDK raises on an incomplete response: the policy's reply ran past
+    rollout.max_new_tokens, so the run is scored 0 with stop reason turn_truncated (trained, or masked as
+    env.stop_reasons says), not dropped as the agent's failure."""
+    babble = TOKENIZER.encode("1111111111111", add_special_tokens=False)  # past the 8 tokens a reply gets
+    spec = AgentSpec(groups_per_step=1, group_size=2, timeout_s=60)
+    entrypoint = agent_programs.raise_on_a_cut_reply
+    scheduler, _, _ = served(entrypoint, [TASK], spec, tmp_path, reply=babble)
+    batch, metrics = scheduler.next_batch(0)
+    assert batch.non_tensors["stop_reason"] == ["turn_truncated"] * 2 and batch["scores"].tolist() == [0, 0]
+    assert metrics["agent/stop/turn_truncated"] == 1 and metrics["agent/agent_error_frac"] == 0
+    assert batch["loss_mask"].sum(dim=1).tolist() == [8, 8]  # the cut reply's sampled ids
+    masked = dataclasses.replace(spec, stop_policy={"turn_truncated": "mask"})
+    scheduler, _, _ = served(entrypoint, [TASK], masked, tmp_path, reply=babble)
+    batch, _ = scheduler.next_batch(0)
+    assert batch["loss_mask"].sum() == 0
+    scheduler, _, _ = served(entrypoint, [TASK], spec, tmp_path)  # a reply that ends: the agent's reward
+    batch, metrics = scheduler.next_batch(0)
+    assert batch["scores"].tolist() == [1, 1] and batch.non_tensors["stop_reason"] == ["agent_done"] * 2
+
+
+def test_an_async_agent_that_blocks_the_event_loop_is_measured_and_named(served, tmp_path, caplog):
+    """Two runs that each block the loop for 0.6 s (it cannot be less, however busy the machine):
+    ``agent/loop_blocked_s`` counts at least a second, and a warning names the agent."""
+    import logging
+
+    spec = AgentSpec(groups_per_step=1, group_size=2, timeout_s=60)
+    scheduler, _, _ = served(agent_programs.blocks_the_loop, [TASK], spec, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="roll.rollout.agent_runs"):
+        batch, metrics = scheduler.next_batch(0)
+    assert batch["scores"].tolist() == [1, 1] and metrics["agent/loop_blocked_s"] >= 1.0
+    assert "the async agent agent_programs:blocks_the_loop runs blocking code" in caplog.text
+
+
 def test_a_call_past_the_context_budget_ends_the_run_with_context_limit(served, tmp_path):
     """env.max_context_tokens bounds each call: a reply gets at most the room left, and the call with no
     room gets the length-limit reply; the row the run trains stays within the budget."""
@@ -363,7 +399,7 @@ def test_the_agent_section_is_checked_naming_the_key_and_the_old_env_form_loads_
 def test_the_run_budgets_and_stop_reasons_reach_the_agent_scheduler():
     from types import SimpleNamespace
 
-    from roll.config.loader import ConfigError, load_config
+    from roll.config.loader import load_config
     from roll.pipelines.agent_programs import AgentProgramPipeline
 
     overrides = ["env.max_turns=3", "env.max_context_tokens=150", "env.stop_reasons={max_turns: mask}"]
@@ -371,8 +407,10 @@ def test_the_run_budgets_and_stop_reasons_reach_the_agent_scheduler():
     spec = AgentProgramPipeline.agent_spec.fget(SimpleNamespace(config=cfg, agent=cfg.agent))
     assert (spec.max_calls, spec.max_context_tokens) == (3, 150)
     assert spec.stop_policy["max_turns"] == "mask" and spec.stop_policy["context_limit"] == "train"
-    with pytest.raises(ConfigError, match="env.stop_reasons.turn_truncated: an agent run does not end"):
-        load_config("examples/agent_calculator.yaml", ["env.stop_reasons={turn_truncated: mask}"])
+    cfg = load_config("examples/agent_calculator.yaml", ["env.stop_reasons={turn_truncated: mask}"])
+    assert AgentProgramPipeline.agent_spec.fget(SimpleNamespace(config=cfg, agent=cfg.agent)).stop_policy[
+        "turn_truncated"
+    ] == "mask"
 
 
 QUICK = [
@@ -439,9 +477,15 @@ def test_roll_train_runs_the_agent_program_and_replaces_a_killed_rollout_worker(
         assert row["agent/rows_per_run"] == 1 and row["agent/untrained_branches"] == 0  # one context each
 
 
-def test_the_calculator_agent_against_the_expert_records_its_tool_call_and_answer(tmp_path, repo_root):
-    """The example's agent (plain openai, API tool calls) against the warm start's expert: each run's row
-    holds the expert's call and answer as trained ids, the tool's result between them masked."""
+@pytest.mark.parametrize("example", ["agent_calculator", "agent_calculator_sdk"])
+def test_the_calculator_agent_against_the_expert_records_its_tool_call_and_answer(
+    tmp_path, repo_root, example
+):
+    """The example's agent (plain openai, API tool calls; or the Agents SDK over the Responses API) against
+    the warm start's expert: each run's row holds the expert's call and answer as trained ids, the tool's
+    result between them masked."""
+    if example.endswith("sdk"):
+        pytest.importorskip("agents")
     from transformers import AutoTokenizer
 
     from roll.config.loader import load_config
@@ -450,7 +494,7 @@ def test_the_calculator_agent_against_the_expert_records_its_tool_call_and_answe
     from roll.rollout.agent_runs import load_entrypoint
     from roll.rollout.expert_backend import ExpertBackend
 
-    cfg = load_config(repo_root / "examples/agent_calculator.yaml")
+    cfg = load_config(repo_root / f"examples/{example}.yaml")
     tokenizer = build_char_tokenizer(cfg.model.tiny.alphabet)
     eos = tokenizer.eos_token_id
     agent = load_entrypoint(str(repo_root / cfg.agent.entrypoint))
@@ -509,5 +553,6 @@ def test_the_calculator_agent_against_the_expert_records_its_tool_call_and_answe
             {"role": "tool", "content": str(task["answer"])},
             {"role": "assistant", "content": str(task["answer"])},
         ]
-        text = plain.apply_chat_template(conversation, tools=agent.__globals__["TOOLS"], tokenize=False)
+        tools = load_entrypoint(str(repo_root / "examples/agents/calculator.py:run")).__globals__["TOOLS"]
+        text = plain.apply_chat_template(conversation, tools=tools, tokenize=False)
         assert plain.encode(text, add_special_tokens=False) == prompt + ids

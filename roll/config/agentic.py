@@ -77,7 +77,8 @@ class EnvConfig:
         help="What to do with an episode per stop reason (env_done, max_turns, context_limit, "
         "turn_truncated): train (its return as is), mask (in its group's baseline, no tokens trained) or "
         "zero (trained with return 0). Merged over train for every reason. Agent runs (agent:): "
-        "env_done is a run its agent ended; max_turns and context_limit a run out of its budget.",
+        "env_done is a run its agent ended; max_turns and context_limit a run out of its budget; "
+        "turn_truncated a run whose agent failed on a reply cut at rollout.max_new_tokens (scored 0).",
     )
 
     def stop_policy(self) -> dict[str, str]:

@@ -119,12 +119,6 @@ def check_agent_env(cfg: AgenticConfig) -> list[str]:
         for key in (f.name for f in dataclasses.fields(EnvConfig))
         if key not in AGENT_ENV_KEYS and getattr(cfg.env, key) != getattr(defaults, key)
     ]
-    if "turn_truncated" in cfg.env.stop_reasons:
-        problems.append(
-            "env.stop_reasons.turn_truncated: an agent run does not end at a truncated call (its agent gets "
-            "the reply at its length limit and goes on); agent runs read env_done (the agent ended "
-            "the run), max_turns and context_limit"
-        )
     if cfg.agent.train_branches == "all":
         from roll.algorithms import ADVANTAGE_ESTIMATORS
 

@@ -24,6 +24,8 @@ class _Call:
     """A call of a run waiting for its result (``await_result``)."""
 
     group: AgentGroup | None  # None: refused at once (its run had ended)
+    run: AgentRun | None = None  # sampled for: its reply's length limit is the run's
+    cut_by: str = "turn_truncated"  # the budget a reply stopped at its length limit ran out of
     result: GenerateResult | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -52,9 +54,11 @@ class EndpointCalls:
                 self._past_budget(group, run, request, past)
             elif live and not run.done:
                 run.calls += 1
-                call = _Call(group)
+                call = _Call(group, run)
                 self._calls[request.request_id] = call
                 params = _bounded(group.params, request.params, room)
+                if room is not None and params.max_new_tokens == room < group.params.max_new_tokens:
+                    call.cut_by = "context_limit"  # the room left, not the tokens a reply gets, bounds it
                 self._outbox.append(dataclasses.replace(request, params=params))
                 self._changed.notify_all()
             else:  # a run that ended (or a closed group): its call is aborted at once
@@ -114,6 +118,14 @@ class EndpointCalls:
     def release_prefixes(self, cache_keys: list[str]) -> int:
         """Nothing to do: a run's KV is released when its group ends."""
         return 0
+
+    def _sampled(self, result: GenerateResult) -> None:
+        """A call's result from a worker: its run notes whether the reply stopped at its length limit
+        (an agent that fails on such a reply ran out of that budget: ``_on_done``)."""
+        call = self._calls.get(result.request_id)
+        if call is not None and call.run is not None and result.token_ids:
+            call.run.cut = call.cut_by if result.finish_reason == "length" else None
+        self._resolve(result.request_id, result)
 
     def _resolve(self, request_id: str, result: GenerateResult) -> None:
         call = self._calls.get(request_id)

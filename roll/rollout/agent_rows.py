@@ -33,14 +33,16 @@ __all__ = [
 ]
 
 FAILURES = ("agent_error", "agent_timeout", "no_calls", "no_reward")
-BUDGETS = ("max_turns", "context_limit")  # the stop reasons of a run that ran out of a budget
+# The stop reasons of a run that ran out of a budget: its calls, its context, or a reply's tokens (its
+# agent failed on a reply cut at rollout.max_new_tokens, as the Agents SDK does on an incomplete one).
+BUDGETS = ("max_turns", "context_limit", "turn_truncated")
 DONE = "agent_done"  # the stop reason of a run whose agent ended it
 
 
 @dataclass(eq=False)
 class AgentRun:
     """One run of the agent: its session, and once it ended, its ``outcome``; ``stop_reason``: the budget
-    it ran out of (``max_turns``, ``context_limit``), None while it has not."""
+    it ran out of (``BUDGETS``), None while it has not."""
 
     run_id: str
     session: Session
@@ -49,6 +51,7 @@ class AgentRun:
     calls: int = 0  # calls to the policy it made
     stop_reason: str | None = None
     calls_past_budget: int = 0
+    cut: str | None = None  # its latest reply stopped at its length limit: the budget that cut it
 
     @property
     def done(self) -> bool:

@@ -11,11 +11,11 @@ is recorded as token ids. It returns its reward, or None when it posted one (``P
 transcript.
 
 ``AgentRunner`` plays the runs on one asyncio loop in a thread of the driver, each within a wall-time
-bound; a plain function runs on a thread of its own, started with the run (asyncio's default pool has
-``min(32, cores + 4)`` threads: more runs would wait for one with their clocks running, and a hung agent
-would hold one for good). A thread cannot be cancelled: past its bound its session is closed, so its next
-call fails and it ends. ``TaskList`` holds the tasks, the first
-``held_out`` of them for evaluation only.
+bound, and measures how long async agents' blocking code held the loop up; a plain function runs on a
+thread of its own, started with the run (asyncio's default pool has ``min(32, cores + 4)`` threads: more
+runs would wait for one with their clocks running, and a hung agent would hold one for good). A thread
+cannot be cancelled: past its bound its session is closed, so its next call fails and it ends.
+``TaskList`` holds the tasks, the first ``held_out`` of them for evaluation only.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import logging
 import math
 import os
 import threading
@@ -144,16 +145,59 @@ class AgentOutcome:
     error: str | None = None
 
 
+logger = logging.getLogger(__name__)
+
+# How often the loop's watch wakes, and how late a wake must be to count as the loop blocked (asyncio's
+# debug mode calls a callback slow from 0.1 s).
+WATCH_EVERY_S, BLOCKED_AFTER_S = 0.05, 0.1
+
+
 class AgentRunner:
-    """Runs ``entrypoint`` (see the module docstring) on an asyncio loop of its own thread."""
+    """Runs ``entrypoint`` (see the module docstring) on an asyncio loop of its own thread.
+
+    An async agent that runs blocking code (``time.sleep``, a synchronous HTTP client, heavy computing)
+    holds up every run on the loop. A watch wakes every ``WATCH_EVERY_S``; a wake later than
+    ``BLOCKED_AFTER_S`` counts as the loop blocked for that long (``take_blocked``)."""
 
     def __init__(self, entrypoint: Callable[..., Any], api_key: str = "roll"):
         self.entrypoint = entrypoint
         self.api_key = api_key
         self.is_async = inspect.iscoroutinefunction(entrypoint)
+        self.name = f"{getattr(entrypoint, '__module__', '?')}:{getattr(entrypoint, '__name__', '?')}"
+        self._blocked = [0.0, 0.0]  # seconds blocked in all, and the longest, since blocked_metrics
+        self._blocked_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="agent-runs", daemon=True)
         self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._watch(), self._loop)
+
+    async def _watch(self) -> None:
+        loop = self._loop
+        while True:
+            due = loop.time() + WATCH_EVERY_S
+            await asyncio.sleep(WATCH_EVERY_S)
+            late = loop.time() - due
+            if late > BLOCKED_AFTER_S:
+                with self._blocked_lock:
+                    self._blocked[0] += late
+                    self._blocked[1] = max(self._blocked[1], late)
+
+    def blocked_metrics(self) -> dict[str, float]:
+        """``agent/loop_blocked_s``: the seconds the loop was blocked since the last call; past a second,
+        a warning names the agent that blocks it."""
+        with self._blocked_lock:
+            (total, longest), self._blocked = self._blocked, [0.0, 0.0]
+        if total > 1.0:
+            logger.warning(
+                "the agents' event loop was blocked for %.1f s (at most %.1f s at once), holding up every "
+                "run meanwhile: the async agent %s runs blocking code (time.sleep, a synchronous client, "
+                "heavy computing); await instead, use asyncio.to_thread, or make it a plain function "
+                "(each run of one gets a thread of its own)",
+                total,
+                longest,
+                self.name,
+            )
+        return {"agent/loop_blocked_s": total}
 
     def start(
         self,

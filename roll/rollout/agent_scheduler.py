@@ -18,8 +18,10 @@ and more stops.
   pass either is answered at once as an API at its length limit answers: no text, ``finish_reason``
   ``length``. The run ends with that stop reason (``max_turns``, ``context_limit``) once its agent returns,
   or at once when it calls again; an agent that fails after its budget ran out scores 0 (it did not finish
-  its task). It is trained, masked or zeroed as ``stop_policy`` (``env.stop_reasons``) says, as an
-  episode is: the looping or verbose runs are what GRPO has to learn to avoid, not infrastructure failures.
+  its task). An agent that fails on a reply cut at its length limit (the Agents SDK raises on an
+  incomplete response) ran out of that budget: ``turn_truncated`` (``context_limit`` where the context's
+  room cut it), scored 0. It is trained, masked or zeroed as ``stop_policy`` (``env.stop_reasons``) says,
+  as an episode is: looping or verbose runs are what GRPO has to learn to avoid, not infrastructure failures.
 - **Failures.** A run whose agent raised, ran past ``timeout_s``, never called the policy, or ended with
   no reward failed: its place in the group goes to the next run, and a group that can no longer
   complete is dropped and the next task drawn in its place (``agent/*_frac``, ``rollout/dropped_groups``);
@@ -225,7 +227,7 @@ class AgentScheduler(EndpointCalls, GroupScheduler):
             with self._lock:
                 for result in events.generated:
                     self._sent.discard(result.request_id)
-                    self._resolve(result.request_id, result)
+                    self._sampled(result)
         else:  # only the agents are working: wait for a call or a run's end
             with self._changed:
                 if not self._outbox and not self._any_settled():
@@ -307,6 +309,9 @@ class AgentScheduler(EndpointCalls, GroupScheduler):
                         if run.stop_reason is not None:
                             error = "its first call's prompt is past env.max_context_tokens"
                         outcome = AgentOutcome(failure="no_calls", error=error)
+                elif run.stop_reason is None and outcome.failure in ("agent_error", "no_reward") and run.cut:
+                    run.stop_reason = run.cut  # it failed on a reply cut short: the policy's doing
+                    outcome = self._ran_out(run, outcome)
                 elif run.stop_reason is not None:
                     outcome = self._ran_out(run, outcome)
                 run.outcome = outcome
@@ -387,7 +392,7 @@ class AgentScheduler(EndpointCalls, GroupScheduler):
             seeds = [group.seed for group in groups]
             spec, every = self.spec, self.spec.train_branches == "all"
             batch = run_batch(runs, group_index, seeds, self.pad_id, spec.stop_policy, every, spec.divisor)
-            metrics = run_metrics(runs, "agent", every)
+            metrics = {**run_metrics(runs, "agent", every), **self.runner.blocked_metrics()}
             metrics.update(scheduler_metrics(runs, self._counts, self.weights_version))
             if every:
                 metrics["agent/rows_per_run"] = float((~batch["padding"]).sum()) / max(len(runs), 1)
