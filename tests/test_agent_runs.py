@@ -185,6 +185,29 @@ def test_asynchronous_steps_are_not_held_up_by_a_hung_run(served, tmp_path):
         assert hanging and not any(run.done for group in hanging for run in group.runs.values())
 
 
+def test_synchronous_steps_with_spare_groups_are_not_held_up_by_a_hung_run(served, tmp_path):
+    """agent.spare_groups 2: each synchronous batch takes the first three groups to finish; the ones it
+    passed over are dropped once the weights move (they hold the old weights' tokens) and their tasks
+    drawn again, so three steps go by while a hanging task's runs play, none waiting out its timeout."""
+    tasks = [{**TASK, "question": f"{k}*7=?", "hangs": k == 1} for k in range(10)]
+    spec = AgentSpec(groups_per_step=3, group_size=2, timeout_s=300, spare_groups=2)
+    scheduler, backend, _ = served(agent_programs.hang_where_told, tasks, spec, tmp_path)
+    stale = 0.0
+    for step in range(3):
+        batch, metrics = scheduler.next_batch(step)
+        assert len(batch) == 6 and metrics["agent/agent_timeout_frac"] == 0
+        assert not any(scheduler.tasks.task(seed)["hangs"] for seed in batch.non_tensors["seed"])
+        assert set(batch["rollout_logprobs"].nonzero()[:, 0].tolist()) == set(range(6))
+        stale += metrics["rollout/stale_groups"]
+        backend.version = step + 1  # the workers sample with the new weights, then the scheduler hears
+        scheduler.set_weights_version(step + 1)
+    assert stale >= 2  # the hanging task's group at least, passed over twice and drawn again
+    with scheduler._lock:
+        hanging = [group for group in scheduler._live if scheduler.tasks.task(group.seed)["hangs"]]
+        assert hanging and all(group.start_version == 2 for group in hanging)  # drawn again each step
+        assert not any(run.done for group in hanging for run in group.runs.values())
+
+
 def test_a_spare_run_takes_the_place_of_a_failed_one_in_its_group(served, tmp_path):
     agent_programs.ATTEMPTS.clear()
     spec = AgentSpec(groups_per_step=1, group_size=2, timeout_s=60, redundancy=1)

@@ -105,6 +105,15 @@ class AgentConfig:
         help="A registered reward function (exact_match, math_verify, yours) that scores the run's last "
         "reply against its task, for agents that return None; unset: the agent's own reward.",
     )
+    spare_groups: int = option(
+        0,
+        ge=0,
+        help="Tasks played beyond a step's rollout_batch_size, so that a slow or hung run holds up only its "
+        "own group: a batch takes the first groups to finish, in draw order. Synchronously those it passes "
+        "over are dropped once the weights move and their tasks drawn again first; asynchronously they go "
+        "into a later batch. 0: a batch waits for its groups in draw order (a hung run holds a synchronous "
+        "step up to timeout_s).",
+    )
     train_branches: Literal["longest", "all"] = option(
         "longest",
         help="Which contexts of a run train: longest, the branch with the most sampled tokens; all, every "

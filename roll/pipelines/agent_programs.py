@@ -101,6 +101,7 @@ class AgentProgramPipeline(AgenticPipeline):
             redundancy=cfg.env.group_size_redundancy,
             async_generation_ratio=cfg.rollout.async_generation_ratio,
             train_branches=self.agent.train_branches,
+            spare_groups=self.agent.spare_groups,
             # Every branch a row: the batch is padded to the actor's ranks times its mini-batches.
             divisor=cfg.actor.world_size * mini_batches_per_epoch(cfg.actor, episodes_per_step(cfg)),
         )
@@ -161,8 +162,8 @@ class AgentProgramPipeline(AgenticPipeline):
 
         cfg = self.config
         # Every run of a step (and of the steps played ahead) and every held-out run may call at once.
-        runs = cfg.rollout.rollout_batch_size * cfg.rollout.num_return_sequences
-        runs *= 1 + cfg.rollout.async_generation_ratio
+        groups = cfg.rollout.rollout_batch_size * (1 + cfg.rollout.async_generation_ratio)
+        runs = (groups + self.agent.spare_groups) * cfg.rollout.num_return_sequences
         limits = Limits(
             max_tokens=cfg.rollout.max_new_tokens,
             max_model_len=None,  # each run's context is its scheduler's to bound (a budget, not an error)

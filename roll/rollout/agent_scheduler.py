@@ -33,12 +33,12 @@ and more stops.
   in its group's baseline. A branch's tokens up to its first sampled one are the prompt; the rest is the
   response, the sampled tokens trained and every other (tool results, the next user turn, a fork's
   unproven tokens) masked.
-- **A hung run holds up only its group** where the groups a batch passes over are not lost (spare
-  groups, the warm start's; asynchronously, into a later batch): a batch takes the first *ready* groups
-  in draw order. Synchronously it takes the first groups in draw order, and a hung run holds its step up
-  to ``timeout_s``: the groups passed over would be stale, and dropping them never trains slow tasks.
-
-The endpoint-facing calls are ``roll.rollout.agent_calls``.
+- **A hung run holds up only its group** with spare groups (``spare_groups``: the warm start's, and
+  ``agent.spare_groups``) or asynchronously: a batch takes the first *ready* groups in draw order; those
+  it passes over go into a later batch within the staleness bound (synchronously: none, so they are
+  dropped once the weights move and their tasks drawn again first). Without either a batch is the first
+  groups in draw order, and a hung run holds its step up to ``timeout_s``. The endpoint-facing calls are
+  ``roll.rollout.agent_calls``.
 """
 
 from __future__ import annotations
@@ -82,9 +82,8 @@ class AgentSpec:
     ``timeout_s``, ``max_calls`` calls to the policy and ``max_context_tokens`` a call (None: unbounded
     here); ``stop_policy``: stop reason -> train, mask or zero (``env.stop_reasons``);
     ``async_generation_ratio`` as for episodes. ``spare_groups``: groups played beyond the batch's, the
-    batch then taking the first ready groups in draw order, so that a slow or hung run holds up only its
-    own group (the warm start's: it imitates, so favouring quick runs biases nothing). ``train_branches``:
-    ``longest`` or ``all`` (``agent.train_branches``); with ``all`` a batch is padded to a multiple of
+    batch then taking the first ready groups in draw order (a slow or hung run holds up only its own
+    group). ``train_branches``: ``longest`` or ``all``; with ``all`` a batch is padded to a multiple of
     ``divisor`` rows (the actor's ranks times its mini-batches)."""
 
     groups_per_step: int
@@ -245,14 +244,15 @@ class AgentScheduler(EndpointCalls, GroupScheduler):
             return
         self._next_progress = now + self.progress_every_s
         playing = sum(not run.done for group in self._live for run in group.runs.values())
-        ended = self._ended
-        how = [f"{ended[reason]} {reason}" for reason in (*FAILURES, *BUDGETS, "aborted") if ended[reason]]
-        logger.info(
-            "agent runs: %d ended (%s), %d playing",
-            ended["runs"],
-            ", ".join(how) if how else "none failed",
-            playing,
-        )
+        how = [f"{self._ended[why]} {why}" for why in (*FAILURES, *BUDGETS, "aborted") if self._ended[why]]
+        how_text = ", ".join(how) or "none failed"
+        logger.info("agent runs: %d ended (%s), %d playing", self._ended["runs"], how_text, playing)
+
+    def _is_stale(self, group: AgentGroup) -> bool:  # type: ignore[override]
+        """As the base says, and synchronously too: a spare group a batch passed over holds the last
+        weights' tokens once they move, so it is dropped and its task drawn again."""
+        oldest = group.oldest_version()
+        return oldest < self.stale_before()
 
     def _open(self, seeds: list[int]) -> list[AgentGroup]:
         size = self.spec.group_size + self.spec.redundancy
