@@ -15,7 +15,8 @@ Args shared by all estimators:
 
 Optional params, passed by the caller only when the estimator declares them (see
 ``roll.utils.registry.accepted_kwargs``): ``values`` (``[B, T]`` critic values, or None), ``gamma``
-(discount), ``lam`` (GAE lambda), ``norm_adv_by_std`` (GRPO's std division).
+(discount), ``lam`` (GAE lambda), ``norm_adv_by_std`` (GRPO's std division), ``episode_index`` (``[B]``:
+the sequence-level estimators count the rows of one episode, an agent run's branches, once).
 
 Returns ``(advantages, returns)``, both ``[B, T]`` float32 and zero outside ``loss_mask``.
 Estimators compute no gradient.
@@ -61,9 +62,8 @@ def _group_stats(
     Vectorised with ``index_add_`` over dense group ids, so the cost is independent of how many
     groups there are. A group of one sample has mean equal to its score and std 0.
 
-    ``episode_index``: rows of one episode (one agent run's branches, which share its score) count once
-    between them, so an episode weighs no more for having more rows; ``size`` is then the group's
-    episodes. Rows with ``episode_index`` -1 (padding) count for nothing.
+    ``episode_index``: the rows of one episode (an agent run's branches) count once between them, and
+    ``size`` counts episodes; rows with -1 (padding) count for nothing.
     """
     weights = torch.ones_like(scores)
     if episode_index is not None:
@@ -159,8 +159,6 @@ def grpo_advantages(
         norm_adv_by_std: divide by the group std (GRPO); ``False`` gives the Dr. GRPO variant, which
             avoids up-weighting groups whose rewards barely differ.
         eps: keeps the division finite for groups with (near) zero std.
-        episode_index: ``[B]`` long or None: rows of one episode (an agent run's branches) count once in
-            their group's statistics (``_group_stats``).
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]`` float32; returns equal advantages.
@@ -192,7 +190,6 @@ def dr_grpo_advantages(
         token_level_rewards: ``[B, T]``.
         loss_mask: ``[B, T]``.
         group_index: ``[B]`` long.
-        episode_index: ``[B]`` long or None: rows of one episode count once (``_group_stats``).
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]`` float32; returns equal advantages.
@@ -222,7 +219,6 @@ def rloo_advantages(
         token_level_rewards: ``[B, T]``.
         loss_mask: ``[B, T]``.
         group_index: ``[B]`` long.
-        episode_index: ``[B]`` long or None: rows of one episode count once (``_group_stats``).
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]`` float32; returns equal advantages.
@@ -252,7 +248,6 @@ def reinforce_baseline_advantages(
         token_level_rewards: ``[B, T]``.
         loss_mask: ``[B, T]``.
         group_index: ``[B]`` (unused).
-        episode_index: ``[B]`` long or None: rows of one episode count once (``_group_stats``).
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]`` float32; returns equal advantages.
