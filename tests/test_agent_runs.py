@@ -70,12 +70,20 @@ TASK = {"question": "6*7=?", "answer": "42"}
 
 
 @pytest.mark.parametrize("entrypoint", [agent_programs.answer_twice, agent_programs.answer_once])
-def test_each_run_trains_exactly_the_ids_the_policy_sampled_in_its_session(served, tmp_path, entrypoint):
+def test_each_run_trains_exactly_the_ids_the_policy_sampled_in_its_session(
+    served, tmp_path, entrypoint, monkeypatch
+):
+    import ssl
+
     spec = AgentSpec(groups_per_step=2, group_size=2, timeout_s=60)
     scheduler, backend, sessions = served(
         entrypoint, [TASK, {"question": "7*6=?", "answer": "24"}], spec, tmp_path
     )
+    made = []  # TLS contexts made while the runs play: each loads the CA bundle on the agents' loop
+    create = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: made.append(1) or create(*a, **k))
     batch, metrics = scheduler.next_batch(0)
+    assert made == []  # the runs' clients share the runner's
     calls = 2 if entrypoint is agent_programs.answer_twice else 1
     assert len(batch) == 4 and batch["group_index"].tolist() == [0, 0, 1, 1]
     assert batch["scores"].tolist() == [1.0, 1.0, 0.0, 0.0]  # the agents' own rewards

@@ -26,6 +26,7 @@ import inspect
 import logging
 import math
 import os
+import ssl
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -166,6 +167,9 @@ class AgentRunner:
         self.name = f"{getattr(entrypoint, '__module__', '?')}:{getattr(entrypoint, '__name__', '?')}"
         self._blocked = [0.0, 0.0]  # seconds blocked in all, and the longest, since blocked_metrics
         self._blocked_lock = threading.Lock()
+        # One TLS context for every run's client: a client makes its own by default, loading the CA
+        # bundle (about 50 ms here) on the agents' loop, where hundreds of runs a step would block it.
+        self._tls = ssl.create_default_context()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="agent-runs", daemon=True)
         self._thread.start()
@@ -231,10 +235,12 @@ class AgentRunner:
         options = {"base_url": base_url, "api_key": self.api_key, "max_retries": CLIENT_RETRIES}
         try:
             if self.is_async:
-                async with openai.AsyncOpenAI(**options, timeout=timeout_s) as client:
+                http = openai.DefaultAsyncHttpxClient(verify=self._tls)
+                async with openai.AsyncOpenAI(**options, timeout=timeout_s, http_client=http) as client:
                     returned = await asyncio.wait_for(self.entrypoint(client, task), timeout_s)
             else:
-                with openai.OpenAI(**options, timeout=timeout_s) as client:
+                http = openai.DefaultHttpxClient(verify=self._tls)
+                with openai.OpenAI(**options, timeout=timeout_s, http_client=http) as client:
                     returned = await self._in_thread(client, task, timeout_s)
         except asyncio.TimeoutError:
             return AgentOutcome(failure="agent_timeout", error=f"the agent ran past {timeout_s:g} s")
