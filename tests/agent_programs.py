@@ -105,6 +105,21 @@ async def hang_where_told(client, task: dict) -> float:
     return await answer_twice(client, task)
 
 
+PLAYING = [0, 0]  # runs of count_the_runs_playing playing now, and the most at once
+
+
+async def count_the_runs_playing(client, task: dict) -> float:
+    """Answers twice, counting the runs playing meanwhile (``PLAYING``)."""
+    with _LOCK:
+        PLAYING[0] += 1
+        PLAYING[1] = max(PLAYING)
+    try:
+        return await answer_twice(client, task)
+    finally:
+        with _LOCK:
+            PLAYING[0] -= 1
+
+
 async def with_a_sub_agent(client, task: dict) -> float:
     """Every other run of a task first asks a sub-agent (a context of its own in the run's session) and
     scores 1; the others answer at once and score 0."""

@@ -41,7 +41,7 @@ def served():
     """A factory: ``make(entrypoint, tasks, spec)`` -> (scheduler, backend); everything closed after."""
     opened = []
 
-    def make(entrypoint, tasks, spec, tmp_path, workers=1, reply=ANSWER):
+    def make(entrypoint, tasks, spec, tmp_path, workers=1, reply=ANSWER, concurrency=None):
         backend = FakeBackend(lambda request: (list(reply), 0.0), num_workers=workers, cut_at_max_tokens=True)
         backend.requests = []
         script = backend.script
@@ -50,7 +50,7 @@ def served():
         limits = Limits(max_tokens=8, max_model_len=None, clamp_max_tokens=True)
         app = build_app(engine, TOKENIZER, None, [EOS], limits, sessions)
         server = ServerThread(app).start()
-        runner = AgentRunner(entrypoint)
+        runner = AgentRunner(entrypoint, concurrency=concurrency)
         task_list = TaskList(write_tasks(tmp_path / "tasks.jsonl", tasks), 0)
         scheduler = AgentScheduler(
             backend, runner, sessions, server.base_url, spec, PARAMS, task_list, SeedOrder(task_list, 0), 0
@@ -149,6 +149,39 @@ def test_64_plain_function_agents_run_at_once_and_none_waits_for_a_thread(served
     assert metrics["rollout/dropped_groups"] == 0 and metrics["agent/agent_timeout_frac"] == 0
 
 
+def test_agent_concurrency_caps_the_runs_playing_at_once_and_a_waiting_run_starts_its_clock_late(
+    served, tmp_path
+):
+    """agent.concurrency 3: 16 runs of 4 groups play at most three at a time, all kept. A run waiting for
+    a slot has not started: held up past its timeout by a slot taken from it, it still ends well once
+    the slot is free (its clock starts with it)."""
+    import asyncio
+    import threading
+
+    agent_programs.PLAYING[:] = [0, 0]
+    spec = AgentSpec(groups_per_step=4, group_size=4, timeout_s=30)
+    tasks = [{**TASK, "question": f"{k}*7=?"} for k in range(4)]
+    scheduler, _, _ = served(agent_programs.count_the_runs_playing, tasks, spec, tmp_path, concurrency=3)
+    batch, metrics = scheduler.next_batch(0)
+    assert len(batch) == 16 and metrics["agent/failed_frac"] == 0
+    assert agent_programs.PLAYING[0] == 0 and 1 <= agent_programs.PLAYING[1] <= 3
+
+    async def returns_at_once(client, task):
+        return 1.0
+
+    runner = AgentRunner(returns_at_once, concurrency=1)
+    try:
+        asyncio.run_coroutine_threadsafe(runner._slots.acquire(), runner._loop).result(timeout=10)
+        ended, outcomes = threading.Event(), []
+        on_done = lambda outcome: (outcomes.append(outcome), ended.set())  # noqa: E731
+        runner.start({}, "http://127.0.0.1:9/v1", 0.2, lambda: None, on_done)
+        assert not ended.wait(0.5)  # waiting for the slot, past its timeout: not started, not timed out
+        runner._loop.call_soon_threadsafe(runner._slots.release)
+        assert ended.wait(10) and outcomes[0].reward == 1.0 and outcomes[0].failure is None
+    finally:
+        runner.close()
+
+
 def test_a_hung_run_holds_up_only_itself_in_the_warm_start_and_progress_is_printed(
     served, tmp_path, monkeypatch, caplog
 ):
@@ -170,7 +203,7 @@ def test_a_hung_run_holds_up_only_itself_in_the_warm_start_and_progress_is_print
         played = demonstrations(scheduler, 40)
     assert len(played.rows) == 40 and all(row["loss_mask"] for row in played.rows)
     hanging = [group for group in scheduler._live if scheduler.tasks.task(group.seed)["hangs"]]
-    assert hanging and not any(run.done for group in hanging for run in group.runs.values())
+    assert hanging and not any(run.done for group in hanging for run in group.members.values())
     assert scheduler._ended["agent_timeout"] == 0
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("agent runs:")]
     assert lines and "playing" in lines[-1] and "ended" in lines[-1]
@@ -190,7 +223,7 @@ def test_asynchronous_steps_are_not_held_up_by_a_hung_run(served, tmp_path):
     assert len(seeds) == 9 and all(not scheduler.tasks.task(seed)["hangs"] for seed in seeds)
     with scheduler._lock:
         hanging = [group for group in scheduler._live if scheduler.tasks.task(group.seed)["hangs"]]
-        assert hanging and not any(run.done for group in hanging for run in group.runs.values())
+        assert hanging and not any(run.done for group in hanging for run in group.members.values())
 
 
 def test_synchronous_steps_with_spare_groups_are_not_held_up_by_a_hung_run(served, tmp_path):
@@ -213,7 +246,7 @@ def test_synchronous_steps_with_spare_groups_are_not_held_up_by_a_hung_run(serve
     with scheduler._lock:
         hanging = [group for group in scheduler._live if scheduler.tasks.task(group.seed)["hangs"]]
         assert hanging and all(group.start_version == 2 for group in hanging)  # drawn again each step
-        assert not any(run.done for group in hanging for run in group.runs.values())
+        assert not any(run.done for group in hanging for run in group.members.values())
 
 
 def test_a_spare_run_takes_the_place_of_a_failed_one_in_its_group(served, tmp_path):
@@ -439,9 +472,12 @@ def test_the_run_budgets_and_stop_reasons_reach_the_agent_scheduler():
     assert (spec.max_calls, spec.max_context_tokens) == (3, 150)
     assert spec.stop_policy["max_turns"] == "mask" and spec.stop_policy["context_limit"] == "train"
     cfg = load_config("examples/agent_calculator.yaml", ["env.stop_reasons={turn_truncated: mask}"])
-    assert AgentProgramPipeline.agent_spec.fget(SimpleNamespace(config=cfg, agent=cfg.agent)).stop_policy[
-        "turn_truncated"
-    ] == "mask"
+    assert (
+        AgentProgramPipeline.agent_spec.fget(SimpleNamespace(config=cfg, agent=cfg.agent)).stop_policy[
+            "turn_truncated"
+        ]
+        == "mask"
+    )
 
 
 QUICK = [

@@ -113,7 +113,7 @@ def test_a_turn_may_start_on_newer_weights_than_the_turn_before_it() -> None:
     while not sched.batch_ready:
         sched._pump()  # noqa: SLF001
     group = next(iter(sched._drawn.values()))  # noqa: SLF001 - the batch about to be taken
-    versions = [sorted({v for v in e.versions if v >= 0}) for e in group.episodes.values()]
+    versions = [sorted({v for v in e.versions if v >= 0}) for e in group.members.values()]
     try:
         _, metrics = sched.next_batch(1)
     finally:

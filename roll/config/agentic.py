@@ -114,6 +114,13 @@ class AgentConfig:
         "into a later batch. 0: a batch waits for its groups in draw order (a hung run holds a synchronous "
         "step up to timeout_s).",
     )
+    concurrency: int | None = option(
+        None,
+        ge=1,
+        help="Runs playing at once, at most (an agent's own tools, sandboxes or rate limits may need a "
+        "cap); the rest wait their turn in start order, their timeout_s counting from their start. Unset: "
+        "every run a step draws plays at once.",
+    )
     train_branches: Literal["longest", "all"] = option(
         "longest",
         help="Which contexts of a run train: longest, the branch with the most sampled tokens; all, every "

@@ -163,16 +163,17 @@ class AgentProgramPipeline(AgenticPipeline):
         cfg = self.config
         # Every run of a step (and of the steps played ahead) and every held-out run may call at once.
         groups = cfg.rollout.rollout_batch_size * (1 + cfg.rollout.async_generation_ratio)
-        runs = (groups + self.agent.spare_groups) * cfg.rollout.num_return_sequences
+        runs = (groups + self.agent.spare_groups) * cfg.rollout.num_return_sequences + cfg.eval.seeds
+        runs = min(runs, self.agent.concurrency or runs)  # the runs that play at once
         limits = Limits(
             max_tokens=cfg.rollout.max_new_tokens,
             max_model_len=None,  # each run's context is its scheduler's to bound (a budget, not an error)
-            max_in_flight=max(256, 2 * (runs + cfg.eval.seeds)),
+            max_in_flight=max(256, 2 * runs),
             clamp_max_tokens=True,
         )
         app = build_app(self.engine, self.tokenizer, None, self.end_of_turn_ids, limits, self.sessions)
         self.server = ServerThread(app).start()
-        self.runner = AgentRunner(self.entrypoint)
+        self.runner = AgentRunner(self.entrypoint, concurrency=self.agent.concurrency)
 
     def evaluate(self) -> dict[str, float]:
         """One greedy and one sampled run on each held-out task: ``eval/greedy/*``, ``eval/sampled/*``

@@ -43,7 +43,7 @@ class EndpointCalls:
             )
         with self._lock:
             group = self._run_group.get(request.cache_key)
-            run = group.runs.get(request.cache_key) if group is not None else None
+            run = group.members.get(request.cache_key) if group is not None else None
             live = group is not None and not group.closed and run is not None
             limit = self.spec.max_context_tokens
             room = None if limit is None else limit - len(request.prompt_ids)

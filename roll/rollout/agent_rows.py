@@ -61,6 +61,15 @@ class AgentRun:
     def failed(self) -> bool:
         return self.outcome is not None and self.outcome.failure is not None
 
+    @property
+    def error(self) -> str | None:
+        return self.outcome.error if self.outcome is not None else None
+
+    @property
+    def versions(self) -> list[int]:
+        """The weights version of every token of its branches."""
+        return [v for branch in self.session.branches for v in branch.weight_versions]
+
     def sample(self) -> Branch | None:
         """The run's longest branch: the one with the most sampled tokens (the latest of equals)."""
         best = None

@@ -10,9 +10,10 @@ is recorded as token ids. It returns its reward, or None when it posted one (``P
 /rl/sessions/<id>/reward``) or when ``agent.reward`` (a registered reward function) is to score its
 transcript.
 
-``AgentRunner`` plays the runs on one asyncio loop in a thread of the driver, each within a wall-time
-bound, and measures how long async agents' blocking code held the loop up; a plain function runs on a
-thread of its own, started with the run (asyncio's default pool has ``min(32, cores + 4)`` threads: more
+``AgentRunner`` plays the runs on one asyncio loop in a thread of the driver, at most
+``agent.concurrency`` at once (the rest wait in start order), each within a wall-time bound counted from
+its start, and measures how long async agents' blocking code held the loop up; a plain function runs on
+a thread of its own, started with the run (asyncio's default pool has ``min(32, cores + 4)`` threads: more
 runs would wait for one with their clocks running, and a hung agent would hold one for good). A thread
 cannot be cancelled: past its bound its session is closed, so its next call fails and it ends.
 ``TaskList`` holds the tasks, the first ``held_out`` of them for evaluation only.
@@ -21,6 +22,7 @@ cannot be cancelled: past its bound its session is closed, so its next call fail
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import logging
@@ -160,7 +162,7 @@ class AgentRunner:
     holds up every run on the loop. A watch wakes every ``WATCH_EVERY_S``; a wake later than
     ``BLOCKED_AFTER_S`` counts as the loop blocked for that long (``take_blocked``)."""
 
-    def __init__(self, entrypoint: Callable[..., Any], api_key: str = "roll"):
+    def __init__(self, entrypoint: Callable[..., Any], api_key: str = "roll", concurrency: int | None = None):
         self.entrypoint = entrypoint
         self.api_key = api_key
         self.is_async = inspect.iscoroutinefunction(entrypoint)
@@ -170,6 +172,10 @@ class AgentRunner:
         # One TLS context for every run's client: a client makes its own by default, loading the CA
         # bundle (about 50 ms here) on the agents' loop, where hundreds of runs a step would block it.
         self._tls = ssl.create_default_context()
+        # At most ``concurrency`` runs play at once (None: all that start); the rest wait their turn in
+        # start order, their clocks not yet running.
+        self._slots = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
+        self.concurrency = concurrency
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="agent-runs", daemon=True)
         self._thread.start()
@@ -211,14 +217,16 @@ class AgentRunner:
         reward_after: Callable[[], float | None],
         on_done: Callable[[AgentOutcome], None],
     ) -> Future:
-        """Start one run of the agent on ``task`` against ``base_url``; ``on_done(outcome)`` is called (on
-        the loop's thread) when it ends, unless it was cancelled. ``reward_after()``: the run's reward when
+        """Start one run of the agent on ``task`` against ``base_url`` (once a slot is free, with
+        ``concurrency`` set: its ``timeout_s`` counts from then); ``on_done(outcome)`` is called (on the
+        loop's thread) when it ends, unless it was cancelled. ``reward_after()``: the run's reward when
         the agent returned None (one it posted, or its transcript scored; None: none), called on a thread.
         Returns the run's future (``cancel``)."""
 
         async def run() -> None:
             try:
-                outcome = await self._play(task, base_url, timeout_s, reward_after)
+                async with self._slots:
+                    outcome = await self._play(task, base_url, timeout_s, reward_after)
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # noqa: BLE001 - whatever failed, the scheduler must hear of the run
@@ -257,8 +265,7 @@ class AgentRunner:
         if reward is None:
             return AgentOutcome(
                 failure="no_reward",
-                error="the agent returned None, posted no reward for its session, and agent.reward "
-                "is unset",
+                error="the agent returned None, posted no reward for its session, and agent.reward is unset",
             )
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             return AgentOutcome(

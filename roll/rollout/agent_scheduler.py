@@ -9,10 +9,11 @@ temperature and top_p are always the run's (``rollout.temperature``; greedy in g
 logprobs the trainer recomputes are those of the distribution that sampled; a call may ask for fewer tokens,
 and more stops.
 
-- **Groups** and **batches** work as for episodes (``roll.rollout.group_scheduler``): a group is its
-  first ``group_size`` runs in start order that did not fail, complete once they all ended; a batch
-  takes the first groups in draw order. Asynchronous training and the staleness bound apply as they do
-  there, by the weights versions of a run's sampled tokens.
+- **Groups** and **batches** work as for episodes (``roll.rollout.played_groups``, on
+  ``roll.rollout.group_scheduler``): a group is its first ``group_size`` runs in start order that did
+  not fail, complete once they all ended; a batch takes the first groups in draw order. Asynchronous
+  training and the staleness bound apply as they do there, by the weights versions of a run's sampled
+  tokens.
 - **Budgets are outcomes.** A run has ``max_calls`` calls to the policy (``env.max_turns``) and
   ``max_context_tokens`` for a call's prompt and reply (``env.max_context_tokens``). The call that would
   pass either is answered at once as an API at its length limit answers: no text, ``finish_reason``
@@ -65,7 +66,8 @@ from roll.rollout.agent_rows import (
 )
 from roll.rollout.agent_runs import AgentOutcome, AgentRunner, TaskList
 from roll.rollout.backend import RolloutBackend
-from roll.rollout.group_scheduler import GroupScheduler, Source
+from roll.rollout.group_scheduler import Source
+from roll.rollout.played_groups import PlayedGroup, PlayedGroupScheduler
 from roll.rollout.sessions import Session, SessionStore
 from roll.strategies.requests import GenerateRequest, GenerateResult, SamplingParams
 
@@ -104,36 +106,10 @@ class AgentSpec:
         return 4 * self.groups_per_step + 8
 
 
-@dataclass(eq=False)
-class AgentGroup:
-    group_id: int
-    seed: int
-    runs: dict[str, AgentRun]
-    worker: int
-    params: SamplingParams
-    training: bool
-    size: int
-    start_version: int
-    closed: bool = False
-    complete: bool = False
-    ended: list[str] = field(default_factory=list)  # the runs it keeps, once complete
-
-    @property
-    def item(self) -> int:
-        return self.seed
-
-    @property
-    def ready(self) -> bool:
-        return self.complete
-
-    def oldest_version(self) -> int:
-        versions = [
-            v for run in self.runs.values() for b in run.session.branches for v in b.weight_versions if v >= 0
-        ]
-        return min(versions, default=self.start_version)
+AgentGroup = PlayedGroup[AgentRun]  # a task's runs (``members``)
 
 
-class AgentScheduler(EndpointCalls, GroupScheduler):
+class AgentScheduler(EndpointCalls, PlayedGroupScheduler[AgentRun]):
     """Plays groups of agent runs through ``backend`` and hands the pipeline their batches; also the
     engine behind the endpoint at ``base_url`` whose sessions live in ``sessions``.
 
@@ -178,8 +154,6 @@ class AgentScheduler(EndpointCalls, GroupScheduler):
         self.extra_groups = spec.spare_groups
         self.in_draw_order = not (spec.spare_groups or spec.async_generation_ratio)
         self.id_prefix, self.poll_s, self.transcript_reward = id_prefix, poll_s, transcript_reward
-        self._live: list[AgentGroup] = []  # groups playing (training and evaluation), in draw order
-        self._to_start: list[AgentGroup] = []  # evaluation groups waiting for the next pump
         self._run_group: dict[str, AgentGroup] = {}  # live run id (= its session id) -> its group
         self._calls: dict[str, _Call] = {}  # request id -> its call, until its result is taken
         self._outbox: list[GenerateRequest] = []  # calls not yet sent to a worker
@@ -191,35 +165,15 @@ class AgentScheduler(EndpointCalls, GroupScheduler):
 
     # ----- the pipeline's calls ------------------------------------------------------------------------
 
-    def play(self, seeds: list[int], params: SamplingParams) -> list[AgentRun]:
-        """One run per held-out seed, in seed order; a failed run is returned as it ended."""
-        with self._lock:
-            groups = [self._new_group(seed, 1, params, training=False) for seed in seeds]
-            self._to_start += groups
-        self._until(lambda: all(group.closed for group in groups) or None)
-        return [next(iter(group.runs.values())) for group in groups]
-
-    def close(self) -> None:
-        """Stop pumping, end every live group (its runs cancelled, its calls aborted)."""
-        self._stop_pumping()
-        with self._lock:
-            for group in list(self._live):
-                try:
-                    self._close(group)
-                except Exception:  # noqa: BLE001 - a lost worker is the pipeline's to replace
-                    self._live = [g for g in self._live if g is not group]
-            for request_id in list(self._calls):
-                self._resolve(request_id, GenerateResult(request_id, [], [], "abort"))
+    def _after_close(self) -> None:
+        for request_id in list(self._calls):  # the calls of runs cancelled with their group
+            self._resolve(request_id, GenerateResult(request_id, [], [], "abort"))
 
     # ----- pumping ---------------------------------------------------------------------------------------
 
     def _pump(self) -> None:
         with self._lock:
-            self._drop_stale()
-            starting, self._to_start = self._to_start, []
-            self._start(starting)
-            self._draw()
-            self._send()
+            self._begin_round()
             generating = bool(self._sent)
         if generating:
             events = self.backend.poll(self.poll_s)
@@ -232,7 +186,7 @@ class AgentScheduler(EndpointCalls, GroupScheduler):
                 if not self._outbox and not self._any_settled():
                     self._changed.wait(self.poll_s)
         with self._lock:
-            self._settle()
+            self._settle_live()
             self._changed.notify_all()
             self._report_progress()
 
@@ -243,7 +197,7 @@ class AgentScheduler(EndpointCalls, GroupScheduler):
         if self.progress_every_s <= 0 or now < self._next_progress:
             return
         self._next_progress = now + self.progress_every_s
-        playing = sum(not run.done for group in self._live for run in group.runs.values())
+        playing = sum(not run.done for group in self._live for run in group.members.values())
         how = [f"{self._ended[why]} {why}" for why in (*FAILURES, *BUDGETS, "aborted") if self._ended[why]]
         how_text = ", ".join(how) or "none failed"
         logger.info("agent runs: %d ended (%s), %d playing", self._ended["runs"], how_text, playing)
@@ -254,31 +208,15 @@ class AgentScheduler(EndpointCalls, GroupScheduler):
         oldest = group.oldest_version()
         return oldest < self.stale_before()
 
-    def _open(self, seeds: list[int]) -> list[AgentGroup]:
-        size = self.spec.group_size + self.spec.redundancy
-        groups = [self._new_group(seed, size, self.params, training=True) for seed in seeds]
-        self._start(groups)
-        return groups
-
-    def _new_group(self, seed: int, runs: int, params: SamplingParams, training: bool) -> AgentGroup:
-        group_id = self._new_group_id()
-        ids = [f"{self.id_prefix}g{group_id}r{k}-{uuid.uuid4().hex[:8]}" for k in range(runs)]
-        return AgentGroup(
-            group_id,
-            seed,
-            {rid: AgentRun(rid, Session(rid)) for rid in ids},
-            worker=group_id % self.backend.num_workers,
-            params=params,
-            training=training,
-            size=self.spec.group_size if training else 1,
-            start_version=self.weights_version,
-        )
+    def _members(self, group_id: int, seed: int, count: int) -> dict[str, AgentRun]:
+        ids = [f"{self.id_prefix}g{group_id}r{k}-{uuid.uuid4().hex[:8]}" for k in range(count)]
+        return {rid: AgentRun(rid, Session(rid)) for rid in ids}
 
     def _start(self, groups: list[AgentGroup]) -> None:
         """Open each run's session and start its agent."""
         for group in groups:
             self._live.append(group)
-            for run in group.runs.values():
+            for run in group.members.values():
                 self.sessions.add(run.session)
                 self._run_group[run.run_id] = group
                 run.future = self.runner.start(
@@ -334,29 +272,19 @@ class AgentScheduler(EndpointCalls, GroupScheduler):
 
     def _any_settled(self) -> bool:
         """A live group has something to settle: a run that ended since."""
-        return any(run.done and not group.closed for group in self._live for run in group.runs.values())
+        return any(run.done and not group.closed for group in self._live for run in group.members.values())
 
-    def _settle(self) -> None:
+    def _settle_live(self) -> None:
         """Close the groups that completed or can no longer complete (a training group's place then goes
         to the next task drawn)."""
         for group in list(self._live):
-            kept = [rid for rid, run in group.runs.items() if not run.failed][: group.size]
-            if len(kept) == group.size and all(group.runs[rid].done for rid in kept):
-                group.ended = kept
-                self._close(group)
-                group.complete = True
-            elif len(kept) < group.size:
-                self._close(group)
-                if not group.training:  # evaluation keeps the failed run
-                    continue
-                errors = [str(run.outcome.error) for run in group.runs.values() if run.failed and run.outcome]
-                self._lose(group, "agent groups", "their runs failed", errors)
+            self._settle(group, "agent groups", "their runs failed")
 
     def _close(self, group: AgentGroup) -> None:
         """End the group: cancel its runs still playing, abort their calls, close their sessions."""
         group.closed = True
         self._live.remove(group)
-        for run in group.runs.values():
+        for run in group.members.values():
             if not run.done:
                 run.future.cancel()
                 run.outcome = AgentOutcome(failure="aborted", error="its group ended first")
@@ -377,17 +305,13 @@ class AgentScheduler(EndpointCalls, GroupScheduler):
                 else:
                     self._outbox = [r for r in self._outbox if r.request_id != request_id]
                     self._resolve(request_id, GenerateResult(request_id, [], [], "abort"))
-        self.backend.release_prefixes(group.worker, list(group.runs))
-
-    def _drop(self, group: AgentGroup) -> None:
-        if not group.closed:
-            self._close(group)
+        self.backend.release_prefixes(group.worker, list(group.members))
 
     # ----- the batch -------------------------------------------------------------------------------------
 
     def _batch(self, groups: list[AgentGroup]) -> tuple[Batch, dict[str, float]]:
         with self._lock:
-            runs = [group.runs[rid] for group in groups for rid in group.ended]
+            runs = [group.members[rid] for group in groups for rid in group.ended]
             group_index = [i for i, group in enumerate(groups) for _ in group.ended]
             seeds = [group.seed for group in groups]
             spec, every = self.spec, self.spec.train_branches == "all"

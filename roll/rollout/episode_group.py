@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from roll.rollout.episode import Episode, EpisodeBudget
-from roll.strategies.requests import SamplingParams
+from roll.rollout.played_groups import PlayedGroup
 
 
 @dataclass(frozen=True)
@@ -35,33 +35,8 @@ class EpisodeSpec:
 
 
 @dataclass(eq=False)  # identity: a group is one object
-class EpisodeGroup:
-    """The episodes of one seed, played on one rollout worker; complete once its first ``size`` episodes
-    in start order that did not fail have ended."""
+class EpisodeGroup(PlayedGroup[Episode]):
+    """The episodes of one seed (``members``), played on one rollout worker; complete once its first
+    ``size`` episodes in start order that did not fail have ended."""
 
-    group_id: int
-    seed: int
-    episodes: dict[str, Episode]
-    worker: int
-    params: SamplingParams
-    training: bool  # a training seed's group (not a held-out episode of the evaluation)
-    size: int  # episodes that complete it
-    start_version: int  # the weights version when it started
-    ended: list[str] = field(default_factory=list)  # the episodes it keeps as samples, once complete
     released: set[str] = field(default_factory=set)  # episodes whose kept KV the engine was told to free
-    closed: bool = False
-    complete: bool = False
-
-    @property
-    def item(self) -> int:
-        """What the seed order drew for it."""
-        return self.seed
-
-    @property
-    def ready(self) -> bool:
-        return self.complete
-
-    def oldest_version(self) -> int:
-        """The oldest weights version of any token it sampled (its start version before the first)."""
-        versions = [v for e in self.episodes.values() for v in e.versions if v >= 0]
-        return min(versions, default=self.start_version)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from roll.data.batch import Batch
@@ -57,7 +57,7 @@ from roll.rollout.episode import Episode, StopReason
 from roll.rollout.episode_batch import trajectory_batch, turn_batch
 from roll.rollout.episode_group import EpisodeGroup, EpisodeSpec
 from roll.rollout.episode_metrics import episode_metrics, scheduler_metrics
-from roll.rollout.group_scheduler import GroupScheduler
+from roll.rollout.played_groups import PlayedGroupScheduler
 from roll.rollout.tool_calls import ToolFailureMonitor
 from roll.strategies.requests import GenerateRequest, SamplingParams
 
@@ -67,7 +67,7 @@ __all__ = ["EpisodeScheduler", "EpisodeSpec", "episode_metrics"]
 ENV_POLL_S = 0.005
 
 
-class EpisodeScheduler(GroupScheduler):
+class EpisodeScheduler(PlayedGroupScheduler[Episode]):
     """Episodes of the training seeds, played through ``backend`` (generation) and ``envs``.
 
     Args:
@@ -83,6 +83,7 @@ class EpisodeScheduler(GroupScheduler):
     """
 
     thread_name = "episodes"
+    group_type = EpisodeGroup
 
     def __init__(
         self,
@@ -104,9 +105,6 @@ class EpisodeScheduler(GroupScheduler):
         self.groups_per_batch = spec.groups_per_step
         self.id_prefix, self.poll_s, self.clock = id_prefix, poll_s, clock
         self._requests: dict[str, tuple[EpisodeGroup, str]] = {}  # request id -> (group, episode id)
-        # The base's _drawn holds the training groups playing or complete, until they go into a batch.
-        self._live: list[EpisodeGroup] = []  # groups playing (training and evaluation), in draw order
-        self._to_start: list[EpisodeGroup] = []  # evaluation groups waiting for the next pump
         self._group_of: dict[str, EpisodeGroup] = {}  # live episode id -> its group
         self._env_seconds: list[float] = []
         self._tools = ToolFailureMonitor(spec.max_tool_failure_frac)
@@ -122,28 +120,8 @@ class EpisodeScheduler(GroupScheduler):
 
     # ----- the pipeline's calls ------------------------------------------------------------------------
 
-    def play(self, seeds: Sequence[int], params: SamplingParams) -> list[Episode]:
-        """One episode per seed (held-out evaluation), in seed order; an episode whose env failed is
-        returned as it ended (``failed``). With asynchronous training, training episodes play on beside
-        them."""
-        with self._lock:
-            groups = [self._new_group(seed, 1, params, training=False) for seed in seeds]
-            self._to_start += groups  # started by the pumping thread: it alone talks to the workers
-        self._until(lambda: all(group.closed for group in groups) or None)
-        return [next(iter(group.episodes.values())) for group in groups]
-
-    def close(self) -> None:
-        """Stop the background thread, abort every turn in flight and close the live episodes'
-        environments, as far as the workers still answer (after a loss, or at shutdown, they may be gone
-        or frozen): nothing here waits for a worker."""
-        self._stop_pumping()
-        with self._lock:
-            for group in list(self._live):
-                try:
-                    self._close(group)
-                except Exception:  # noqa: BLE001 - a lost worker is the pipeline's to replace, not close's
-                    self._live = [g for g in self._live if g is not group]
-            self._env_calls.close_held()  # on a lost worker they never run
+    def _after_close(self) -> None:
+        self._env_calls.close_held()  # on a lost worker they never run
 
     # ----- pumping ---------------------------------------------------------------------------------------
 
@@ -152,11 +130,7 @@ class EpisodeScheduler(GroupScheduler):
         or env resets and steps to come back, and react to them. Every call to a worker under the lock
         only sends; the waits run outside it, so the pipeline's calls never wait for a worker."""
         with self._lock:
-            self._drop_stale()
-            starting, self._to_start = self._to_start, []
-            self._start(starting)
-            self._draw()
-            self._send()
+            self._begin_round()
             generating = bool(self._requests)
         touched = []
         if generating or not self.envs.pending:
@@ -169,36 +143,20 @@ class EpisodeScheduler(GroupScheduler):
             answered = self.envs.poll(self.poll_s)
         with self._lock:
             touched += self._on_env(answered)
-            self._settle(dict.fromkeys(touched))
+            self._settle_touched(dict.fromkeys(touched))
             self._changed.notify_all()
 
-    def _open(self, seeds: list[int]) -> list[EpisodeGroup]:
-        """Training groups of ``seeds``, their environments' resets sent (the base draws them)."""
-        size = self.spec.group_size + self.spec.redundancy
-        groups = [self._new_group(seed, size, self.params, training=True) for seed in seeds]
-        self._start(groups)
-        return groups
-
-    def _new_group(self, seed: int, episodes: int, params: SamplingParams, training: bool) -> EpisodeGroup:
-        group_id = self._new_group_id()
-        ids = [f"{self.id_prefix}g{group_id}e{k}" for k in range(episodes)]
-        return EpisodeGroup(
-            group_id,
-            seed,
-            {eid: Episode(None, seed, self.chat, self.spec.budget, self.spec.history_turns) for eid in ids},
-            worker=group_id % self.backend.num_workers,
-            params=params,
-            training=training,
-            size=self.spec.group_size if training else 1,
-            start_version=self.weights_version,
-        )
+    def _members(self, group_id: int, seed: int, count: int) -> dict[str, Episode]:
+        budget, history = self.spec.budget, self.spec.history_turns
+        ids = [f"{self.id_prefix}g{group_id}e{k}" for k in range(count)]
+        return {eid: Episode(None, seed, self.chat, budget, history) for eid in ids}
 
     def _start(self, groups: list[EpisodeGroup]) -> None:
         """Send the resets of the groups' environments (one call per env worker); each episode starts
         when its reset comes back (``_on_env``)."""
         self._live += groups
-        self._group_of.update({eid: group for group in groups for eid in group.episodes})
-        requests = [(eid, group.seed) for group in groups for eid in group.episodes]
+        self._group_of.update({eid: group for group in groups for eid in group.members})
+        requests = [(eid, group.seed) for group in groups for eid in group.members]
         if requests:
             self._env_calls.reset(requests)
 
@@ -207,7 +165,7 @@ class EpisodeScheduler(GroupScheduler):
         in_flight = {eid for _, eid in self._requests.values()}
         by_worker: dict[int, list[GenerateRequest]] = collections.defaultdict(list)
         for group in self._live:
-            for eid, episode in group.episodes.items():
+            for eid, episode in group.members.items():
                 if eid in in_flight or self._env_calls.waiting(eid) or episode.done:
                     continue
                 context, room = episode.next_request()
@@ -233,7 +191,7 @@ class EpisodeScheduler(GroupScheduler):
             if owner is None:
                 continue  # an aborted turn of a group that ended
             group, eid = owner
-            episode = group.episodes[eid]
+            episode = group.members[eid]
             versions = result.weight_versions or [self.weights_version] * len(result.token_ids)
             action = episode.add_turn(result.token_ids, result.logprobs, versions, result.finish_reason)
             if action is not None:
@@ -251,7 +209,7 @@ class EpisodeScheduler(GroupScheduler):
             group = self._group_of.get(result.episode_id)
             if group is None:
                 continue
-            episode = group.episodes[result.episode_id]
+            episode = group.members[result.episode_id]
             self._count_env(result, group)
             if result.status != OK:
                 episode.end(_failure(result), RuntimeError(result.error))
@@ -266,28 +224,17 @@ class EpisodeScheduler(GroupScheduler):
             touched.append(group)
         return touched
 
-    def _settle(self, groups: Any) -> None:
+    def _settle_touched(self, groups: Any) -> None:
         """Note the episodes of ``groups`` that ended; close the groups that completed or can no longer
         complete (a training group's seed is then replaced by the next draw)."""
         for group in list(groups):
             if group.closed:
                 continue
-            ended = [eid for eid, e in group.episodes.items() if e.done and eid not in group.released]
+            ended = [eid for eid, e in group.members.items() if e.done and eid not in group.released]
             if ended:  # the KV the engine kept for their next turn is freed now
                 self.backend.release_prefixes(group.worker, ended)
                 group.released.update(ended)
-            # Start order, a failed episode's place taken by the next one started.
-            kept = [eid for eid, episode in group.episodes.items() if not episode.failed][: group.size]
-            if len(kept) == group.size and all(group.episodes[eid].done for eid in kept):
-                group.ended = kept
-                self._close(group)
-                group.complete = True
-            elif len(kept) < group.size:
-                self._close(group)
-                if not group.training:  # evaluation keeps the failed episode
-                    continue
-                errors = [str(e.error) for e in group.episodes.values() if e.error]
-                self._lose(group, "episode groups", "their environment failed", errors)
+            self._settle(group, "episode groups", "their environment failed")
 
     def _close(self, group: EpisodeGroup) -> None:
         """End the group: abort its turns in flight, end its unfinished episodes (redundant ones, or those
@@ -300,22 +247,17 @@ class EpisodeScheduler(GroupScheduler):
         if aborted:
             self.backend.abort(group.worker, aborted)
         # Episodes still generating or waiting for their env: their results will be ignored.
-        unfinished = [episode for episode in group.episodes.values() if not episode.done]
-        kept = [eid for eid in group.episodes if eid not in group.released]
+        unfinished = [episode for episode in group.members.values() if not episode.done]
+        kept = [eid for eid in group.members if eid not in group.released]
         if kept:
             self.backend.release_prefixes(group.worker, kept)
         for episode in unfinished:
             episode.end(StopReason.ABORTED)
         if group.training:
             self._counts["aborted_episodes"] += len(unfinished)
-        self._env_calls.close(group.episodes)
-        for eid in group.episodes:
+        self._env_calls.close(group.members)
+        for eid in group.members:
             self._group_of.pop(eid, None)
-
-    def _drop(self, group: EpisodeGroup) -> None:
-        """A stale group, playing or complete: ended if it still plays (the base draws its seed again)."""
-        if not group.closed:
-            self._close(group)
 
     def _count_env(self, result: EnvResult, group: EpisodeGroup) -> None:
         """Count a training episode's env call (evaluation's would blur the step's rates)."""
@@ -335,7 +277,7 @@ class EpisodeScheduler(GroupScheduler):
     def _episode_batch(self, groups: list[EpisodeGroup]) -> tuple[Batch, dict[str, float]]:
         spec = self.spec
         rows = [(group, eid) for group in groups for eid in group.ended[: spec.group_size]]
-        episodes = [group.episodes[eid] for group, eid in rows]
+        episodes = [group.members[eid] for group, eid in rows]
         group_index = [i for i, _ in enumerate(groups) for _ in range(spec.group_size)]
         ids = [eid for _, eid in rows]
         self._tools.observe(episodes)
